@@ -1,0 +1,34 @@
+# Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
+.PHONY: install demo down test lint typecheck proto bench clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+install:
+	@bash scripts/install.sh
+
+demo: install
+	@$(PY) -m controlplane.local up
+
+down:
+	@if [ -x $(PY) ]; then $(PY) -m controlplane.local down; else echo "nothing to stop"; fi
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install lint typecheck
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+proto: install
+	$(PY) scripts/gen_proto.py
+
+bench: install
+	$(PY) bench/failover.py
+	$(PY) bench/heartbeats.py
+
+clean: down
+	rm -rf .kunlun

@@ -1,0 +1,1 @@
+"""Kunlun Platform control plane: replicas, store, election, scheduling, API and CLI."""

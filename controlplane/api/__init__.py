@@ -1,0 +1,1 @@
+"""gRPC servicers: thin layers that check the caller's role, validate, call, and map errors."""

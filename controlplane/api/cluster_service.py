@@ -1,0 +1,102 @@
+"""ClusterService: read API for operators and viewers (devices, nodes, cluster status)."""
+
+from __future__ import annotations
+
+import grpc
+
+from controlplane import keys
+from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.election import Elector
+from controlplane.graph import load_nodes
+from controlplane.nodes import NodeSessions
+from controlplane.store import EtcdStore
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
+from kunlun_common.names import parse_device_name
+
+SVC = "/kunlun.v1.ClusterService/"
+
+
+class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
+    def __init__(self, store: EtcdStore, sessions: NodeSessions, elector: Elector, replica_name: str) -> None:
+        self.store = store
+        self.sessions = sessions
+        self.elector = elector
+        self.replica_name = replica_name
+
+    async def ListDevices(
+        self, request: cluster_pb2.ListDevicesRequest, context: Ctx
+    ) -> cluster_pb2.ListDevicesResponse:
+        await authorize(context, SVC + "ListDevices")
+        nodes = await load_nodes(self.store, self.sessions)
+        devices: list[types_pb2.Device] = []
+        for n in nodes:
+            if request.node and n.name != request.node:
+                continue
+            devices.extend(n.devices)
+        if request.node and not any(n.name == request.node for n in nodes):
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"node {request.node!r} is not registered")
+        return cluster_pb2.ListDevicesResponse(devices=devices)
+
+    async def DescribeDevice(
+        self, request: cluster_pb2.DescribeDeviceRequest, context: Ctx
+    ) -> cluster_pb2.DescribeDeviceResponse:
+        await authorize(context, SVC + "DescribeDevice")
+        try:
+            parse_device_name(request.name)
+        except ValueError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"name: {e}")
+        for n in await load_nodes(self.store, self.sessions):
+            for d in n.devices:
+                if d.name == request.name:
+                    node = types_pb2.Node()
+                    node.CopyFrom(n)
+                    del node.devices[:]
+                    return cluster_pb2.DescribeDeviceResponse(device=d, node=node)
+        await abort(
+            context,
+            grpc.StatusCode.NOT_FOUND,
+            f"device {request.name!r} not found; see `kunlun-cli device list`",
+        )
+
+    async def ListNodes(
+        self, request: cluster_pb2.ListNodesRequest, context: Ctx
+    ) -> cluster_pb2.ListNodesResponse:
+        await authorize(context, SVC + "ListNodes")
+        return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
+
+    async def ClusterStatus(
+        self, request: cluster_pb2.ClusterStatusRequest, context: Ctx
+    ) -> cluster_pb2.ClusterStatusResponse:
+        await authorize(context, SVC + "ClusterStatus")
+        replicas_kvs, _ = await self.store.get_prefix(keys.REPLICAS)
+        leader_kv = await self.store.get(keys.LEADER)
+        leader = keys.decode(leader_kv.value).get("name", "") if leader_kv else ""
+        replicas = []
+        for kv in replicas_kvs:
+            info = cluster_pb2.ReplicaInfo()
+            keys.decode_message(kv.value, info)
+            info.leader = info.name == leader
+            replicas.append(info)
+        members = [
+            cluster_pb2.EtcdMemberInfo(
+                name=m.name,
+                endpoint=m.endpoint,
+                healthy=m.healthy,
+                leader=m.leader,
+                db_size_bytes=m.db_size_bytes,
+                error=m.error,
+                member_id=m.member_id,
+            )
+            for m in await self.store.member_statuses()
+        ]
+        return cluster_pb2.ClusterStatusResponse(
+            replicas=replicas,
+            etcd_members=members,
+            leader=leader,
+            leader_epoch=leader_kv.create_revision if leader_kv else 0,
+            answered_by=self.replica_name,
+        )
+
+    async def WhoAmI(self, request: cluster_pb2.WhoAmIRequest, context: Ctx) -> cluster_pb2.WhoAmIResponse:
+        ident = await authorize(context, SVC + "WhoAmI")
+        return cluster_pb2.WhoAmIResponse(identity=ident.name, role=ident.role)

@@ -1,0 +1,1 @@
+"""`kunlun-cli`, the operator's tool."""

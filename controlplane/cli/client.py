@@ -1,0 +1,68 @@
+"""Calling the replicas from the CLI: each endpoint in turn, so it works while any replica lives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from controlplane.cli.config import ClientConfig
+from kunlun_common.api import cluster_pb2_grpc
+from kunlun_common.errors import KunlunError
+from kunlun_common.pki import CertPaths
+from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
+
+T = TypeVar("T")
+_FAILOVER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class CliError(KunlunError):
+    """One clear line for stderr."""
+
+
+class Client:
+    def __init__(self, cfg: ClientConfig, timeout_s: float = 5.0) -> None:
+        from pathlib import Path
+
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+        self.tls: TlsMaterial = load_tls(CertPaths(Path(cfg.ca), Path(cfg.cert), Path(cfg.key)))
+        self.creds = channel_credentials(self.tls)
+        self.answered_by = ""
+
+    def channel(self, endpoint: str) -> grpc.Channel:
+        return grpc.secure_channel(
+            endpoint, self.creds, options=[("grpc.ssl_target_name_override", self.cfg.server_name)]
+        )
+
+    def call(self, fn: Callable[[cluster_pb2_grpc.ClusterServiceStub], Callable[..., T]], request: Any) -> T:
+        """Call a ClusterService method on the first replica that answers."""
+        errors: list[str] = []
+        for ep in self.cfg.endpoints:
+            with self.channel(ep) as ch:
+                stub = cluster_pb2_grpc.ClusterServiceStub(ch)
+                try:
+                    result = fn(stub)(request, timeout=self.timeout_s)
+                    self.answered_by = ep
+                    return result
+                except grpc.RpcError as e:
+                    code = e.code()
+                    detail = e.details() or code.name
+                    if code in _FAILOVER:
+                        errors.append(f"{ep}: {_short(detail)}")
+                        continue
+                    raise CliError(f"{ep}: {code.name.lower().replace('_', ' ')}: {detail}") from None
+        raise CliError(
+            "no replica answered (" + "; ".join(errors) + "); check that the cluster runs (`make demo`) "
+            "and that the endpoints in your client config are right"
+        )
+
+
+def _short(detail: str) -> str:
+    d = detail.replace("\n", " ")
+    if "failed to connect to all addresses" in d or "Connection refused" in d:
+        return "connection refused"
+    if "Deadline Exceeded" in d:
+        return "no answer within the deadline"
+    return d[:160]

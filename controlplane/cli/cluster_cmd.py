@@ -1,0 +1,73 @@
+"""`kunlun-cli cluster status`: replicas (with health probed directly) and etcd members."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controlplane.cli.client import Client
+from controlplane.cli.output import print_json, print_table
+from controlplane.cli.views import member_json, replica_json
+from kunlun_common.api import cluster_pb2
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    cl = sub.add_parser("cluster", help="the control plane itself", parents=[common])
+    csub = cl.add_subparsers(dest="cmd", required=True)
+    st = csub.add_parser("status", help="replicas, leader and etcd member health", parents=[common])
+    st.set_defaults(handler=cluster_status)
+
+
+def probe_health(client: Client, address: str) -> bool:
+    try:
+        with client.channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def cluster_status(args: argparse.Namespace) -> int:
+    from controlplane.cli.main import make_client
+
+    client = make_client(args)
+    resp = client.call(lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest())
+    replicas = [replica_json(r, probe_health(client, r.address)) for r in resp.replicas]
+    members = [member_json(m) for m in resp.etcd_members]
+    if args.output == "json":
+        print_json(
+            {
+                "leader": resp.leader,
+                "leader_epoch": resp.leader_epoch,
+                "answered_by": resp.answered_by,
+                "replicas": replicas,
+                "etcd_members": members,
+            }
+        )
+        return 0
+    print_table(
+        ["REPLICA", "ADDRESS", "PID", "HEALTHY", "LEADER"],
+        [
+            [r["name"], r["address"], r["pid"], "yes" if r["healthy"] else "NO", "*" if r["leader"] else ""]
+            for r in replicas
+        ],
+    )
+    print()
+    print_table(
+        ["ETCD MEMBER", "ENDPOINT", "HEALTHY", "LEADER", "DB SIZE", "ERROR"],
+        [
+            [
+                m["name"] or "?",
+                m["endpoint"],
+                "yes" if m["healthy"] else "NO",
+                "*" if m["leader"] else "",
+                f"{m['db_size_bytes'] // 1024} KiB",
+                m["error"],
+            ]
+            for m in members
+        ],
+    )
+    return 0

@@ -1,0 +1,76 @@
+"""`kunlun-cli`: the operator's tool. Every command takes `-o table|json` and `--endpoints`.
+
+Errors are one line on stderr with a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from controlplane.cli import certs_cmd, cluster_cmd, device_cmd
+from controlplane.cli.client import Client, CliError
+from controlplane.cli.config import ClientConfig, default_path, load_client_config
+from kunlun_common.errors import ConfigError, KunlunError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def make_client(args: argparse.Namespace) -> Client:
+    path = Path(args.config) if args.config else default_path()
+    if args.endpoints and not path.exists():
+        raise CliError(
+            f"client config {path} does not exist; it names the certificates (run `make demo` or write it)"
+        )
+    try:
+        cfg = load_client_config(path)
+    except ConfigError as e:
+        if not path.exists():
+            raise CliError(
+                f"no client config at {path}: run `make demo` (which writes it), set KUNLUN_CONFIG, or pass --config"
+            ) from None
+        raise CliError(str(e)) from None
+    if args.endpoints:
+        eps = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
+        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, server_name=cfg.server_name)
+    return Client(cfg, timeout_s=args.timeout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
+    common.add_argument("--endpoints", help="comma-separated replica addresses (overrides the client config)")
+    common.add_argument(
+        "--config", help="client config file (default $KUNLUN_CONFIG or ~/.config/kunlun/config.yaml)"
+    )
+    common.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds per replica before trying the next"
+    )
+    p = argparse.ArgumentParser(
+        prog="kunlun-cli", description="Operate a Kunlun Platform cluster.", parents=[common]
+    )
+    sub = p.add_subparsers(dest="group", required=True)
+    device_cmd.register(sub, common)
+    cluster_cmd.register(sub, common)
+    certs_cmd.register(sub, common)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        code = handler(args)
+    except (CliError, KunlunError) as e:
+        print(f"kunlun-cli: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

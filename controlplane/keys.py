@@ -1,0 +1,91 @@
+"""The etcd key layout and value encoding of the Device Resource Graph — documented in one place.
+
+All keys live under `/kunlun/v1/`. Values are JSON objects with a `"schema": N` field; readers
+ignore fields they do not know, so a later release can read what an earlier one wrote, and a reader
+that finds a newer `schema` than it knows logs it and uses what it understands.
+
+| key                                | written by            | value (JSON)                                  | lease            |
+|------------------------------------|-----------------------|-----------------------------------------------|------------------|
+| election/leader                    | election              | {"schema", "name", "address", "since_ms"}     | leader lease     |
+| leader-state                       | leader (fenced)       | {"schema", "name", "epoch", "tick", "at_ms"}  | -                |
+| replicas/<replica>                 | each replica          | ReplicaInfo (proto JSON)                      | replica lease    |
+| nodes/<node>                       | replica for its agent | Node incl. Devices (proto JSON), no telemetry | -                |
+| alive/<node>                       | replica for its agent | {"schema", "replica", "lease", "since_ms"}    | node lease       |
+| node-status/<node>                 | leader (fenced)       | {"schema", "ready", "since_ms", "reason"}     | -                |
+| telemetry/<node>                   | replica for its agent | {"schema", "at_ms", "devices": {name: tele}}  | -                |
+| audit/<unix_ms>-<replica>          | every replica         | {"schema", "who", "what", "at_ms"}            | audit TTL lease  |
+
+Liveness is the `alive/<node>` key: it exists while the node's lease lives. A node is Ready while it
+exists; its devices are then shown with the status the agent reported, else `Unavailable`.
+Telemetry is sampled at 1 Hz on the nodes but written here only every `telemetry_snapshot_s` or on
+a large change: etcd holds state changes, not samples.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+ROOT = "/kunlun/v1/"
+LEADER = ROOT + "election/leader"
+LEADER_STATE = ROOT + "leader-state"
+REPLICAS = ROOT + "replicas/"
+NODES = ROOT + "nodes/"
+ALIVE = ROOT + "alive/"
+NODE_STATUS = ROOT + "node-status/"
+TELEMETRY = ROOT + "telemetry/"
+AUDIT = ROOT + "audit/"
+SCHEMA = 1
+
+
+def replica(name: str) -> str:
+    return REPLICAS + name
+
+
+def node(name: str) -> str:
+    return NODES + name
+
+
+def alive(name: str) -> str:
+    return ALIVE + name
+
+
+def node_status(name: str) -> str:
+    return NODE_STATUS + name
+
+
+def telemetry(name: str) -> str:
+    return TELEMETRY + name
+
+
+def last_segment(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """Encode a plain record; adds the schema version."""
+    return json.dumps({"schema": SCHEMA, **obj}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """Decode a plain record (unknown fields are kept; callers read what they know)."""
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("record is not a JSON object")
+    return data
+
+
+def encode_message(msg: Message) -> bytes:
+    """Encode a proto message as versioned JSON (snake_case field names)."""
+    body = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    return json.dumps({"schema": SCHEMA, "message": body}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_message(raw: bytes, msg: Message) -> Message:
+    """Decode into `msg` (which is returned), ignoring fields a later release added."""
+    data = json.loads(raw)
+    json_format.ParseDict(data.get("message", {}), msg, ignore_unknown_fields=True)
+    return msg

@@ -1,0 +1,71 @@
+"""`python -m controlplane.local up|down` — the launcher behind `make demo` / `make down`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from controlplane.cli.config import ClientConfig, default_path, write_client_config
+from controlplane.local.cluster import ClusterSpec, LocalCluster, stop_from_state
+from kunlun_common.pki import paths_for
+
+DEMO_REPLICA_PORTS = (50051, 50052, 50053)
+DEMO_ETCD_PORTS = ((23791, 23801), (23792, 23802), (23793, 23803))
+
+
+def up(base: Path) -> int:
+    if (base / "cluster.json").exists():
+        stopped = stop_from_state(base)
+        if stopped:
+            print(f"stopped the previous local cluster ({len(stopped)} processes)")
+    cluster = LocalCluster(
+        ClusterSpec(base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS)
+    )
+    base.mkdir(parents=True, exist_ok=True)
+    print("[1/5] certificates ...", flush=True)
+    cluster.make_certs()
+    print("[2/5] etcd: 3 members with TLS ...", flush=True)
+    try:
+        cluster.start_etcd()
+        print("[3/5] control plane: 3 replicas ...", flush=True)
+        cluster.start_replicas()
+        print(
+            "[4/5] node agents: node-a (4 x Ascend 910B), node-b (2 x MLU370 + 1 x NVIDIA), simulated ...",
+            flush=True,
+        )
+        cluster.start_agents()
+    except Exception as e:
+        print(
+            f"local cluster failed to start: {e}\nlogs are under {base}; `make down` stops what started",
+            file=sys.stderr,
+        )
+        return 1
+    p = paths_for(cluster.cert_dir, "operator", "admin")
+    cfg_path = default_path()
+    write_client_config(cfg_path, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    print(f"[5/5] client config written to {cfg_path}", flush=True)
+    print(f"\nleader: {cluster.leader()}   logs: {base}\n")
+    cli = Path(sys.executable).parent / "kunlun-cli"
+    subprocess.run(
+        [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}
+    )
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m controlplane.local")
+    ap.add_argument("command", choices=["up", "down"])
+    ap.add_argument("--dir", default=".kunlun", help="state folder (default .kunlun)")
+    a = ap.parse_args()
+    base = Path(a.dir).resolve()
+    if a.command == "up":
+        sys.exit(up(base))
+    stopped = stop_from_state(base)
+    print(f"stopped {len(stopped)} processes" if stopped else "nothing was running")
+
+
+if __name__ == "__main__":
+    main()

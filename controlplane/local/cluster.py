@@ -1,0 +1,282 @@
+"""A whole local cluster: 3-member TLS etcd, replicas and agents as background processes.
+
+State, logs and pids live under one folder (`.kunlun/` for `make demo`, a temp dir in tests):
+
+    certs/                 CA and every certificate
+    etcd/<member>/         data dir and log
+    replicas/<name>.log    agents/<node>/agent.log + state     cluster.json (pids, ports)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controlplane.local.etcd_cluster import EtcdCluster, build_etcd_cluster
+from controlplane.local.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
+from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.tls import channel_credentials, load_tls
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "deploy" / "examples"
+
+
+@dataclass
+class ClusterSpec:
+    """What to start."""
+
+    base_dir: Path
+    """Folder for state, logs, pids and certificates."""
+    replicas: int = 3
+    """Number of control-plane replicas."""
+    node_configs: tuple[Path, ...] = (EXAMPLES / "node-a.yaml", EXAMPLES / "node-b.yaml")
+    """One agent per device-plugin-config file (node name from the file)."""
+    replica_ports: tuple[int, ...] = ()
+    """Fixed replica ports (default: free ports)."""
+    etcd_ports: tuple[tuple[int, int], ...] = ()
+    """Fixed (client, peer) ports per etcd member (default: free ports)."""
+    election_ttl_s: int = 5
+    renew_deadline_s: float = 3.0
+    retry_period_s: float = 1.0
+    node_lease_ttl_s: int = 10
+    extra_nodes: tuple[str, ...] = ()
+    """More agent certificates to issue (node names) for tests."""
+    replica_args: tuple[str, ...] = ()
+    """Extra flags for every replica."""
+    agent_args: tuple[str, ...] = ()
+    """Extra flags for every agent."""
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    etcd: EtcdCluster = field(default_factory=EtcdCluster)
+    replicas: dict[str, ManagedProcess] = field(default_factory=dict)
+    replica_addrs: dict[str, str] = field(default_factory=dict)
+    agents: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    @property
+    def base(self) -> Path:
+        return self.spec.base_dir
+
+    @property
+    def cert_dir(self) -> Path:
+        return self.base / "certs"
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self.replica_addrs.values())
+
+    def node_names(self) -> list[str]:
+        import yaml
+
+        names = []
+        for cfg in self.spec.node_configs:
+            data = yaml.safe_load(cfg.read_text())
+            names.append(str(data["node"]["name"]))
+        return names
+
+    # ---------------------------------------------------------------- start
+    def make_certs(self) -> None:
+        names = tuple(f"replica-{i + 1}" for i in range(self.spec.replicas))
+        init_cluster_certs(
+            self.cert_dir, ClusterCerts(replicas=names, nodes=(*self.node_names(), *self.spec.extra_nodes))
+        )
+
+    def start_etcd(self, timeout: float = 60.0) -> None:
+        self.etcd = build_etcd_cluster(
+            self.base / "etcd", self.cert_dir, ports=list(self.spec.etcd_ports) or None
+        )
+        self.etcd.start()
+        self.save()
+        wait_for(self._etcd_healthy, timeout, "etcd members to form a cluster")
+
+    def _etcd_healthy(self) -> bool:
+        import asyncio
+
+        from controlplane.store import EtcdStore, StoreSettings
+
+        p = paths_for(self.cert_dir, "replica", "replica-1")
+
+        async def check() -> bool:
+            store = EtcdStore(
+                StoreSettings(
+                    self.etcd.endpoints,
+                    str(p.ca),
+                    str(p.cert),
+                    str(p.key),
+                    request_timeout_s=2.0,
+                    retry_deadline_s=2.0,
+                )
+            )
+            try:
+                await store.revision()
+                return True
+            finally:
+                await store.close()
+
+        return asyncio.run(check())
+
+    def replica_argv(self, name: str, address: str) -> list[str]:
+        s = self.spec
+        return [
+            sys.executable,
+            "-m",
+            "controlplane.main",
+            f"--name={name}",
+            f"--listen={address}",
+            f"--cert-dir={self.cert_dir}",
+            f"--etcd-endpoints={','.join(self.etcd.endpoints)}",
+            f"--election-ttl={s.election_ttl_s}",
+            f"--renew-deadline={s.renew_deadline_s}",
+            f"--retry-period={s.retry_period_s}",
+            f"--node-lease-ttl={s.node_lease_ttl_s}",
+            *s.replica_args,
+        ]
+
+    def start_replicas(self, timeout: float = 60.0) -> None:
+        ports = list(self.spec.replica_ports) or [free_port() for _ in range(self.spec.replicas)]
+        for i in range(self.spec.replicas):
+            name = f"replica-{i + 1}"
+            addr = f"127.0.0.1:{ports[i]}"
+            self.replica_addrs[name] = addr
+            proc = ManagedProcess(name, self.replica_argv(name, addr), self.base / "replicas" / f"{name}.log")
+            proc.start()
+            self.replicas[name] = proc
+        self.save()
+        for name in self.replicas:
+            wait_for(lambda n=name: self.replica_serving(n), timeout, f"replica {name} to serve")
+
+    def restart_replica(self, name: str) -> None:
+        proc = ManagedProcess(
+            name, self.replica_argv(name, self.replica_addrs[name]), self.base / "replicas" / f"{name}.log"
+        )
+        proc.start()
+        self.replicas[name] = proc
+        self.save()
+
+    def agent_argv(self, config: Path, node: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "node_agent.main",
+            f"--config={config}",
+            f"--endpoints={','.join(self.endpoints)}",
+            f"--cert-dir={self.cert_dir}",
+            f"--state-dir={self.base / 'agents' / node}",
+            *self.spec.agent_args,
+        ]
+
+    def start_agent(self, config: Path, node: str) -> ManagedProcess:
+        proc = ManagedProcess(
+            f"agent-{node}", self.agent_argv(config, node), self.base / "agents" / node / "agent.log"
+        )
+        proc.start()
+        self.agents[node] = proc
+        self.save()
+        return proc
+
+    def start_agents(self, timeout: float = 60.0) -> None:
+        for cfg, node in zip(self.spec.node_configs, self.node_names(), strict=True):
+            self.start_agent(cfg, node)
+        for node in self.agents:
+            wait_for(lambda n=node: self.node_ready(n), timeout, f"node {node} to register")
+
+    def start(self) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.make_certs()
+        self.start_etcd()
+        self.start_replicas()
+        self.start_agents()
+
+    # ---------------------------------------------------------------- probes
+    def channel(self, address: str, role: str = "operator", name: str = "admin") -> grpc.Channel:
+        creds = channel_credentials(load_tls(paths_for(self.cert_dir, role, name)))
+        return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+
+    def replica_serving(self, name: str) -> bool:
+        with self.channel(self.replica_addrs[name]) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.RpcError:
+                return False
+
+    def call_any(self, method: str, request: object, timeout: float = 5.0) -> object:
+        """Call a ClusterService method on the first replica that answers (as operator)."""
+        last: Exception | None = None
+        for name, addr in self.replica_addrs.items():
+            if not self.replicas[name].alive():
+                continue
+            with self.channel(addr) as ch:
+                try:
+                    return getattr(cluster_pb2_grpc.ClusterServiceStub(ch), method)(request, timeout=timeout)
+                except grpc.RpcError as e:
+                    last = e
+        raise RuntimeError(f"no replica answered {method}: {last}")
+
+    def devices(self) -> list[types_pb2.Device]:
+        resp = self.call_any("ListDevices", cluster_pb2.ListDevicesRequest())
+        assert isinstance(resp, cluster_pb2.ListDevicesResponse)
+        return list(resp.devices)
+
+    def node_ready(self, node: str) -> bool:
+        resp = self.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+        assert isinstance(resp, cluster_pb2.ListNodesResponse)
+        return any(n.name == node and n.ready for n in resp.nodes)
+
+    def leader(self) -> str:
+        resp = self.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest())
+        assert isinstance(resp, cluster_pb2.ClusterStatusResponse)
+        return resp.leader
+
+    # ---------------------------------------------------------------- state
+    def all_procs(self) -> list[ManagedProcess]:
+        return [*self.agents.values(), *self.replicas.values(), *(m.proc for m in self.etcd.members)]
+
+    def save(self) -> None:
+        data = {
+            "pids": {p.name: p.pid for p in self.all_procs() if p.pid},
+            "replicas": self.replica_addrs,
+            "etcd": list(self.etcd.endpoints),
+        }
+        (self.base / "cluster.json").write_text(json.dumps(data, indent=2))
+
+    def stop(self) -> None:
+        stop_all([*self.agents.values()])
+        stop_all([*self.replicas.values()])
+        stop_all([m.proc for m in self.etcd.members])
+
+
+def stop_from_state(base: Path, timeout: float = 15.0) -> list[str]:
+    """`make down`: stop every process recorded in base/cluster.json; return what was stopped."""
+    path = base / "cluster.json"
+    if not path.exists():
+        return []
+    pids: dict[str, int] = json.loads(path.read_text()).get("pids", {})
+    order = sorted(
+        pids.items(),
+        key=lambda kv: 0 if kv[0].startswith("agent") else 1 if kv[0].startswith("replica") else 2,
+    )
+    procs = []
+    for name, pid in order:
+        if pid_alive(pid) and _is_ours(pid):
+            p = ManagedProcess(name, [], base / "unused.log")
+            p.pid = pid
+            procs.append(p)
+    stop_all(procs, timeout)
+    return [p.name for p in procs]
+
+
+def _is_ours(pid: int) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return any(s in cmd for s in ("etcd", "controlplane.main", "node_agent.main", "kunlun"))

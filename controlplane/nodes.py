@@ -1,0 +1,235 @@
+"""Node sessions on one replica: registration, liveness leases and telemetry of connected agents.
+
+Agents never talk to etcd. The replica holding an agent's stream writes on its behalf (observed
+state): the node record on registration, device status changes, a coarse telemetry snapshot every
+`telemetry_snapshot_s` (or on a large change), and the `alive/<node>` key bound to the node's
+lease, which this replica refreshes while heartbeats arrive. When the agent moves to another
+replica, that replica takes over the same lease if it still lives, else grants a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from controlplane import keys
+from controlplane.settings import ReplicaSettings
+from controlplane.store import EtcdStore, PutOp
+from kunlun_common.api import agent_pb2, types_pb2
+from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
+
+log = structlog.get_logger("nodes")
+
+# a change this large is written to etcd at once instead of waiting for the next snapshot
+_BIG_UTIL_CHANGE = 25.0
+_BIG_TEMP_CHANGE = 10.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class NodeSession:
+    """What this replica knows about one connected agent."""
+
+    node: str
+    record: types_pb2.Node
+    lease: int
+    connected_at: float
+    last_heartbeat: float = 0.0
+    lease_ok_at: float = 0.0
+    samples: dict[str, types_pb2.DeviceTelemetry] = field(default_factory=dict)
+    snapshot_written: dict[str, types_pb2.DeviceTelemetry] = field(default_factory=dict)
+    snapshot_at: float = 0.0
+    heartbeats: int = 0
+
+
+def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
+    """Every problem with a registration; empty when it may be accepted."""
+    problems: list[str] = []
+    if reg.node != cert_node:
+        problems.append(
+            f"node: the agent certificate is for node {cert_node!r} but the registration names {reg.node!r}; "
+            "the certificate decides which node an agent may speak for"
+        )
+    if not valid_node_name(reg.node):
+        problems.append(f"node: {reg.node!r} is not a valid node name (lowercase letters, digits, '-')")
+    seen: set[str] = set()
+    for i, d in enumerate(reg.devices):
+        where = f"devices[{i}]"
+        if d.device_type not in DEVICE_TYPES and d.status != types_pb2.DEVICE_STATUS_ERROR:
+            problems.append(
+                f"{where}.device_type: expected one of {', '.join(DEVICE_TYPES)}, found {d.device_type!r}"
+            )
+        expect = device_name(reg.node, d.device_type, d.index)
+        if d.name != expect:
+            problems.append(f"{where}.name: expected {expect!r}, found {d.name!r}")
+        if d.name in seen:
+            problems.append(f"{where}.name: duplicate device {d.name!r}")
+        seen.add(d.name)
+        if d.node != reg.node:
+            problems.append(f"{where}.node: expected {reg.node!r}, found {d.node!r}")
+    if len(reg.devices) > 1024:
+        problems.append(f"devices: at most 1024 devices per node, found {len(reg.devices)}")
+    return problems
+
+
+class NodeSessions:
+    """Registrations, heartbeats and lease refreshes for the agents connected to this replica."""
+
+    def __init__(self, store: EtcdStore, settings: ReplicaSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.sessions: dict[str, NodeSession] = {}
+        self._lock = asyncio.Lock()
+
+    async def register(self, reg: agent_pb2.RegisterNode, identity: str) -> NodeSession:
+        """Accept a node: write its record and take over (or create) its liveness lease."""
+        node = reg.node
+        lease = 0
+        alive = await self.store.get(keys.alive(node))
+        if alive is not None and alive.lease:
+            if await self.store.lease_time_to_live(alive.lease) > 0:
+                lease = alive.lease
+        if not lease:
+            lease = await self.store.lease_grant(self.settings.node_lease_ttl_s)
+        record = types_pb2.Node(
+            name=node,
+            address=reg.address,
+            simulated=reg.simulated,
+            devices=list(reg.devices),
+            ready=True,
+            agent_version=reg.agent_version,
+            agent_pid=reg.agent_pid,
+            registered_at_unix_ms=now_ms(),
+            last_heartbeat_unix_ms=now_ms(),
+            connected_replica=self.settings.name,
+            config_path=reg.config_path,
+            updated_by=identity,
+        )
+        for d in record.devices:
+            d.ClearField("telemetry")
+        old = await self.store.get(keys.node(node))
+        if old is not None:
+            prev = types_pb2.Node()
+            keys.decode_message(old.value, prev)
+            record.cordoned = prev.cordoned
+        alive_value = keys.encode({"replica": self.settings.name, "lease": lease, "since_ms": now_ms()})
+        res = await self.store.txn(
+            [],
+            [
+                PutOp(keys.node(node), keys.encode_message(record)),
+                PutOp(keys.alive(node), alive_value, lease),
+            ],
+        )
+        if not res.succeeded:
+            raise TemporaryError(f"registration of {node} was not applied")
+        session = NodeSession(node=node, record=record, lease=lease, connected_at=time.monotonic())
+        session.lease_ok_at = session.last_heartbeat = time.monotonic()
+        async with self._lock:
+            self.sessions[node] = session
+        log.info("node registered", node=node, devices=len(reg.devices), lease=f"{lease:x}", by=identity)
+        return session
+
+    async def heartbeat(self, session: NodeSession, hb: agent_pb2.Heartbeat) -> bool:
+        """Record a heartbeat; write status changes and coarse snapshots. True if it may be acked."""
+        t = time.monotonic()
+        session.last_heartbeat = t
+        session.heartbeats += 1
+        changed = False
+        big = False
+        by_name = {d.name: d for d in session.record.devices}
+        for s in hb.samples:
+            dev = by_name.get(s.name)
+            if dev is None:
+                continue
+            session.samples[s.name] = s.telemetry
+            if s.status and (dev.status != s.status or dev.status_reason != s.status_reason):
+                log.info(
+                    "device status changed",
+                    device=s.name,
+                    old=types_pb2.DeviceStatus.Name(dev.status),
+                    new=types_pb2.DeviceStatus.Name(s.status),
+                    reason=s.status_reason,
+                )
+                dev.status = s.status
+                dev.status_reason = s.status_reason
+                changed = True
+            prev = session.snapshot_written.get(s.name)
+            if prev is None or (
+                abs(prev.utilization_pct - s.telemetry.utilization_pct) >= _BIG_UTIL_CHANGE
+                or abs(prev.temperature_c - s.telemetry.temperature_c) >= _BIG_TEMP_CHANGE
+            ):
+                big = True
+        try:
+            if changed:
+                session.record.last_heartbeat_unix_ms = now_ms()
+                await self.store.put(keys.node(session.node), keys.encode_message(session.record))
+            if big or t - session.snapshot_at >= self.settings.telemetry_snapshot_s:
+                await self._write_snapshot(session)
+        except KunlunError as e:
+            log.warning("could not write node state", node=session.node, error=str(e))
+        return t - session.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+
+    async def _write_snapshot(self, session: NodeSession) -> None:
+        from google.protobuf import json_format
+
+        devices = {
+            name: json_format.MessageToDict(tele, preserving_proto_field_name=True)
+            for name, tele in session.samples.items()
+        }
+        await self.store.put(
+            keys.telemetry(session.node), keys.encode({"at_ms": now_ms(), "devices": devices})
+        )
+        session.snapshot_written = {k: v for k, v in session.samples.items()}
+        session.snapshot_at = time.monotonic()
+
+    async def disconnect(self, session: NodeSession) -> None:
+        """The agent's stream ended: stop refreshing its lease (it expires unless the agent moves)."""
+        async with self._lock:
+            if self.sessions.get(session.node) is session:
+                del self.sessions[session.node]
+        log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
+
+    async def refresh_leases(self) -> None:
+        """Loop: refresh the lease of every node heard from recently (a batch every ttl/3)."""
+        period = self.settings.node_lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            t = time.monotonic()
+            live = [
+                s
+                for s in list(self.sessions.values())
+                if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2
+            ]
+            results = await asyncio.gather(*(self._refresh(s) for s in live), return_exceptions=True)
+            failed = sum(1 for r in results if isinstance(r, BaseException) or r is False)
+            if failed:
+                log.warning("node lease refresh", refreshed=len(live) - failed, failed=failed)
+
+    async def _refresh(self, s: NodeSession) -> bool:
+        try:
+            ttl = await self.store.lease_keepalive(s.lease)
+        except TemporaryError as e:
+            log.warning("node lease refresh failed", node=s.node, error=str(e))
+            return False
+        if ttl > 0:
+            s.lease_ok_at = time.monotonic()
+            return True
+        # lease lost (expired while we could not refresh): grant a new one and mark the node alive again
+        try:
+            lease = await self.store.lease_grant(self.settings.node_lease_ttl_s)
+            value = keys.encode({"replica": self.settings.name, "lease": lease, "since_ms": now_ms()})
+            await self.store.put(keys.alive(s.node), value, lease)
+            s.lease = lease
+            s.lease_ok_at = time.monotonic()
+            log.warning("node lease had expired; renewed with a new lease", node=s.node, lease=f"{lease:x}")
+            return True
+        except (TemporaryError, PermanentError) as e:
+            log.warning("could not re-create node lease", node=s.node, error=str(e))
+            return False

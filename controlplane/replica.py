@@ -1,0 +1,183 @@
+"""One control-plane replica: API server, registration, election and leader-only loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import _async as health_aio  # the asyncio health servicer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controlplane import keys
+from controlplane.api.agent_service import AgentService
+from controlplane.api.cluster_service import ClusterService
+from controlplane.election import Elector, Fence
+from controlplane.lifecycle import NodeLifecycle
+from controlplane.nodes import NodeSessions
+from controlplane.settings import ReplicaSettings
+from controlplane.store import EtcdStore, StoreSettings
+from kunlun_common import tls
+from kunlun_common.api import agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
+from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
+from kunlun_common.pki import CertPaths
+from kunlun_common.retry import backoff_delay
+
+log = structlog.get_logger("replica")
+VERSION = "0.1.0"
+
+
+class Replica:
+    def __init__(self, settings: ReplicaSettings, etcd_wait_s: float = 60.0) -> None:
+        self.settings = settings
+        self.etcd_wait_s = etcd_wait_s
+        ca, cert, key = settings.cert_paths()
+        self.tls = tls.load_tls(CertPaths(ca, cert, key), expect_roles=("replica",))
+        if self.tls.identity.name != settings.name:
+            raise ConfigError(
+                f"{cert}: certificate is for replica {self.tls.identity.name!r} but this replica is named "
+                f"{settings.name!r}; use the certificate issued for {settings.name!r}"
+            )
+        self.store = EtcdStore(
+            StoreSettings(
+                endpoints=settings.etcd_endpoints,
+                ca_path=str(ca),
+                cert_path=str(cert),
+                key_path=str(key),
+                server_name=settings.etcd_server_name,
+            )
+        )
+        self.sessions = NodeSessions(self.store, settings)
+        self.lifecycle = NodeLifecycle(self.store)
+        self.elector = Elector(
+            self.store,
+            settings.name,
+            settings.advertise_address,
+            settings.election,
+            loops=[self._lifecycle_loop],
+        )
+        self.server: grpc.aio.Server | None = None
+        self.health = health_aio.HealthServicer()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lease = 0
+        self.stopped = asyncio.Event()
+
+    async def _lifecycle_loop(self, fence: Fence) -> None:
+        await self.lifecycle.run(fence)
+
+    async def _wait_for_etcd(self) -> None:
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                await self.store.revision()
+                return
+            except TemporaryError as e:
+                waited = time.monotonic() - start
+                if self.etcd_wait_s and waited > self.etcd_wait_s:
+                    raise TemporaryError(
+                        f"etcd at {', '.join(self.settings.etcd_endpoints)} unreachable or without quorum for "
+                        f"{waited:.0f}s ({e}); start etcd (make demo does) or fix etcd_endpoints"
+                    ) from None
+                delay = backoff_delay(attempt, 0.5, 5.0)
+                attempt += 1
+                log.warning(
+                    "waiting for etcd",
+                    endpoints=list(self.settings.etcd_endpoints),
+                    error=str(e)[:200],
+                    retry_in=round(delay, 1),
+                )
+                await asyncio.sleep(delay)
+
+    async def _register(self) -> None:
+        self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
+        info = cluster_pb2.ReplicaInfo(
+            name=self.settings.name,
+            address=self.settings.advertise_address,
+            pid=os.getpid(),
+            started_at_unix_ms=int(time.time() * 1000),
+            version=VERSION,
+        )
+        await self.store.put(keys.replica(self.settings.name), keys.encode_message(info), self._lease)
+        self._info = info
+
+    async def _keep_registered(self) -> None:
+        period = self.settings.replica_lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                ttl = await self.store.lease_keepalive(self._lease)
+                if ttl <= 0:
+                    log.warning("replica lease lost; registering again")
+                    await self._register()
+            except KunlunError as e:
+                log.warning("replica lease refresh failed", error=str(e))
+
+    async def start(self) -> None:
+        await self.store.connect()
+        await self._wait_for_etcd()
+        await self._register()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ]
+        )
+        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
+            ClusterService(self.store, self.sessions, self.elector, self.settings.name), server
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentService(self.sessions, self.settings.name, self.settings.node_lease_ttl_s), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
+        except RuntimeError as e:
+            raise ConfigError(
+                f"listen: cannot listen on {self.settings.listen} ({e}); is the port in use?"
+            ) from None
+        await server.start()
+        self.server = server
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [
+            asyncio.create_task(self.elector.run(), name="elector"),
+            asyncio.create_task(self.sessions.refresh_leases(), name="node-leases"),
+            asyncio.create_task(self._keep_registered(), name="replica-lease"),
+        ]
+        log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
+
+    async def stop(self) -> None:
+        """Graceful stop: resign leadership at once, leave the registry, stop serving."""
+        log.info("replica stopping", name=self.settings.name)
+        await self.health.enter_graceful_shutdown()
+        await self.elector.resign()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.store.lease_revoke(self._lease), 2.0)
+        if self.server is not None:
+            await self.server.stop(1.0)
+        await self.store.close()
+        self.stopped.set()
+
+
+async def serve(settings: ReplicaSettings) -> None:
+    """Run a replica until SIGTERM/SIGINT."""
+    replica = Replica(settings)
+    await replica.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    watched = [waiter, *replica._tasks]
+    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        if t is not waiter and t.exception() is not None:
+            log.error("background task died", task=t.get_name(), error=str(t.exception()))
+    await replica.stop()

@@ -1,0 +1,60 @@
+"""Settings of a control-plane replica (`kunlun-platform`), loadable from YAML and flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from controlplane.election import ElectionSettings
+from kunlun_common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Everything one replica needs; YAML keys are these field names."""
+
+    name: str
+    """Replica name; must equal the CN of its certificate (role `replica`)."""
+    cert_dir: str
+    """Certificate folder made by `kunlun-cli certs init` (uses ca.crt and replica/<name>.crt/.key)."""
+    etcd_endpoints: tuple[str, ...]
+    """etcd client URLs, e.g. https://127.0.0.1:2379 (all members)."""
+    listen: str = "127.0.0.1:50051"
+    """host:port the gRPC API listens on (default port 50051)."""
+    advertise: str = ""
+    """host:port that clients use to reach this replica (default: listen)."""
+    etcd_server_name: str = "localhost"
+    """Name checked against the etcd members' certificates."""
+    election: ElectionSettings = field(default_factory=ElectionSettings)
+    """Leader election timing."""
+    node_lease_ttl_s: int = 10
+    """A node whose agent is not heard for this long turns NotReady (its etcd lease expires)."""
+    replica_lease_ttl_s: int = 5
+    """A replica that dies disappears from `cluster status` after this long."""
+    telemetry_snapshot_s: float = 10.0
+    """How often a node's coarse telemetry snapshot is written to etcd (samples stay in memory)."""
+    heartbeat_ack_requires_etcd_s: float = 6.0
+    """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
+    agent talking to a replica cut off from etcd moves to another replica."""
+    log_level: str = "info"
+    """debug, info, warning or error."""
+
+    def __post_init__(self) -> None:
+        if not self.etcd_endpoints:
+            raise ConfigError(
+                "etcd_endpoints: at least one etcd endpoint is required, e.g. https://127.0.0.1:2379"
+            )
+        if ":" not in self.listen:
+            raise ConfigError(f"listen: expected host:port, found {self.listen!r}")
+        if self.node_lease_ttl_s < 3:
+            raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
+
+    @property
+    def advertise_address(self) -> str:
+        return self.advertise or self.listen
+
+    def cert_paths(self) -> tuple[Path, Path, Path]:
+        base = Path(self.cert_dir)
+        return base / "ca.crt", base / "replica" / f"{self.name}.crt", base / "replica" / f"{self.name}.key"

@@ -1,0 +1,1 @@
+"""Generated gRPC code for proto/kunlun/v1 (scripts/gen_proto.py)."""

@@ -1,0 +1,132 @@
+"""Loading and checking TLS material, and reading identity and role from a peer certificate.
+
+Every control-plane hop is mutual TLS. A process refuses to start with a missing, expired or
+foreign certificate, or one whose role does not fit the process, and says which file and why.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from kunlun_common.errors import ConfigError
+from kunlun_common.pki import ROLES, CertPaths
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a certificate says its holder is."""
+
+    name: str
+    """The subject's common name (a node name for agents)."""
+    role: str
+    """The subject's organizational unit: one of kunlun_common.pki.ROLES."""
+
+    def __str__(self) -> str:
+        return f"{self.role}:{self.name}"
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """PEM bytes ready for gRPC credentials, plus the identity they carry."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    identity: Identity
+    paths: CertPaths
+
+
+def identity_of(cert: x509.Certificate) -> Identity:
+    """Identity and role from a certificate's subject (CN and OU)."""
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    name = str(cns[0].value) if cns else ""
+    role = str(ous[0].value) if ous else ""
+    return Identity(name=name, role=role)
+
+
+def identity_from_pem(pem: bytes) -> Identity:
+    return identity_of(x509.load_pem_x509_certificate(pem))
+
+
+def _read(path: Path, what: str, fix: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read ({e.strerror}); {fix}") from None
+
+
+def load_tls(
+    paths: CertPaths, expect_roles: tuple[str, ...] | None = None, now: dt.datetime | None = None
+) -> TlsMaterial:
+    """Read and check a CA/cert/key triple: present, parseable, current, signed by that CA, right role."""
+    fix = "create certificates with `kunlun-cli certs init DIR` and point the config at DIR"
+    ca_pem = _read(paths.ca, "CA certificate", fix)
+    cert_pem = _read(paths.cert, "certificate", fix)
+    key_pem = _read(paths.key, "private key", fix)
+    try:
+        ca = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError:
+        raise ConfigError(f"CA certificate {paths.ca} is not a PEM certificate") from None
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise ConfigError(f"certificate {paths.cert} is not a PEM certificate") from None
+    when = now or dt.datetime.now(dt.UTC)
+    if cert.not_valid_after_utc < when:
+        raise ConfigError(
+            f"certificate {paths.cert} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; "
+            "issue a new one with `kunlun-cli certs issue`"
+        )
+    if cert.not_valid_before_utc > when:
+        raise ConfigError(
+            f"certificate {paths.cert} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+        )
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, Exception) as e:  # InvalidSignature has no common base
+        raise ConfigError(
+            f"certificate {paths.cert} was not issued by the CA {paths.ca} ({type(e).__name__}); "
+            "use certificates from the same `certs init` folder"
+        ) from None
+    ident = identity_of(cert)
+    if ident.role not in ROLES:
+        raise ConfigError(
+            f"certificate {paths.cert} has no Kunlun role (OU={ident.role!r}); expected one of {ROLES}"
+        )
+    if expect_roles is not None and ident.role not in expect_roles:
+        raise ConfigError(
+            f"certificate {paths.cert} is for role {ident.role!r} ({ident.name}); this process needs "
+            f"a certificate with role {' or '.join(expect_roles)}"
+        )
+    return TlsMaterial(ca=ca_pem, cert=cert_pem, key=key_pem, identity=ident, paths=paths)
+
+
+def server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    """Server credentials that require and verify a client certificate (mTLS)."""
+    return grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+    )
+
+
+def channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    """Client credentials presenting our certificate and trusting only the cluster CA."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
+
+
+def peer_identity(auth_context: dict[str, list[bytes]]) -> Identity | None:
+    """The verified client identity from a gRPC auth context, or None if there is none."""
+    pems = auth_context.get("x509_pem_cert")
+    if not pems:
+        return None
+    return identity_from_pem(pems[0])

@@ -1,0 +1,104 @@
+"""The node agent process: load the declaration, start the device plugins, keep the link up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import structlog
+
+from kunlun_common import tls
+from kunlun_common.errors import ConfigError
+from kunlun_common.pki import paths_for
+from node_agent.connection import ReplicaLink, registration
+from node_agent.devices import DeviceManager, simulated_env
+from node_agent.plugins.config import NodeConfig, load_config
+from node_agent.settings import AgentSettings
+
+log = structlog.get_logger("agent")
+VERSION = "0.1.0"
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, config: NodeConfig | None = None) -> None:
+        self.settings = settings
+        self.config = config or load_config(settings.config_path)
+        paths = paths_for(settings.cert_dir, "agent", self.config.node_name)
+        self.tls = tls.load_tls(paths, expect_roles=("agent",))
+        if self.tls.identity.name != self.config.node_name:
+            raise ConfigError(
+                f"{paths.cert}: certificate is for node {self.tls.identity.name!r} but {settings.config_path} "
+                f"declares node {self.config.node_name!r}; the certificate decides which node an agent speaks for"
+            )
+        state_dir = Path(settings.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        env = simulated_env(self.config, state_dir) if self.config.simulated else dict(os.environ)
+        self.devices = DeviceManager(self.config, env)
+        self.link = ReplicaLink(
+            settings.endpoints,
+            self.tls,
+            register=lambda: registration(
+                self.config.node_name,
+                self.config.address,
+                self.config.simulated,
+                self.devices.devices(),
+                VERSION,
+                os.path.abspath(self.config.path),
+            ),
+            samples=self.devices.samples,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            ack_timeout_s=settings.ack_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            server_name=settings.server_name,
+        )
+
+    def explain_no_devices(self) -> str | None:
+        """If no declared device is usable, say exactly why (tools, devices, config file)."""
+        devs = self.devices.devices()
+        if any(d.status == 1 for d in devs):
+            return None
+        lines = [
+            f"no usable device on node {self.config.node_name} (config {os.path.abspath(self.config.path)}):"
+        ]
+        for dtype, err in self.devices.tool_errors.items():
+            lines.append(f"  {dtype}: {err}")
+        for d in devs:
+            lines.append(f"  {d.name}: {d.status_reason or 'not ready'}")
+        return "\n".join(lines)
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_seconds)
+            try:
+                await self.devices.sample()
+            except Exception as e:  # a loop must never die
+                log.exception("device sampling failed", error=str(e))
+
+    async def run(self) -> None:
+        await self.devices.sample()
+        why = self.explain_no_devices()
+        if why:
+            log.warning(why)
+        log.info(
+            "agent starting",
+            node=self.config.node_name,
+            devices=len(self.config.devices),
+            simulated=self.config.simulated,
+            endpoints=list(self.settings.endpoints),
+        )
+        tasks = [
+            asyncio.create_task(self.link.run(), name="link"),
+            asyncio.create_task(self._sample_loop(), name="sampler"),
+        ]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("agent stopped", node=self.config.node_name)

@@ -1,0 +1,161 @@
+"""The agent's link to the control plane: one stream to one replica at a time, with failover.
+
+The agent registers, then sends a heartbeat (with device samples) every interval. A replica that
+does not answer the registration within `connect_timeout_s`, or stops acknowledging heartbeats for
+`ack_timeout_s` (dead, SIGSTOPped, cut off, or itself cut off from etcd), is left for the next one
+in the list. The agent never talks to etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import structlog
+
+from kunlun_common import tls
+from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
+from kunlun_common.retry import backoff_delay
+
+log = structlog.get_logger("link")
+_EOF = grpc.aio.EOF  # type: ignore[attr-defined]
+
+
+class LinkError(Exception):
+    """This replica cannot serve us now; try the next one."""
+
+
+class ReplicaLink:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        material: tls.TlsMaterial,
+        register: Callable[[], agent_pb2.RegisterNode],
+        samples: Callable[[], list[agent_pb2.DeviceSample]],
+        heartbeat_interval_s: float = 1.0,
+        ack_timeout_s: float = 3.0,
+        connect_timeout_s: float = 5.0,
+        server_name: str = "localhost",
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.creds = tls.channel_credentials(material)
+        self.register = register
+        self.samples = samples
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.ack_timeout_s = ack_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.server_name = server_name
+        self.connected_to = ""
+        self.registered = asyncio.Event()
+        self.last_ack = 0.0
+        self.last_contact = time.monotonic()
+        self._seq = 0
+
+    async def run(self) -> None:
+        """Stay connected to some replica, forever."""
+        i = 0
+        failures = 0
+        while True:
+            ep = self.endpoints[i % len(self.endpoints)]
+            try:
+                await self._session(ep)
+            except asyncio.CancelledError:
+                raise
+            except (LinkError, grpc.aio.AioRpcError, TimeoutError, OSError) as e:
+                reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                log.warning(
+                    "replica link lost; trying the next replica",
+                    replica=ep,
+                    reason=reason or type(e).__name__,
+                )
+            self.connected_to = ""
+            self.registered.clear()
+            i += 1
+            failures += 1
+            if failures % len(self.endpoints) == 0:
+                await asyncio.sleep(backoff_delay(failures // len(self.endpoints), 0.2, 3.0))
+
+    async def _session(self, ep: str) -> None:
+        channel = grpc.aio.secure_channel(
+            ep,
+            self.creds,
+            options=[
+                ("grpc.ssl_target_name_override", self.server_name),
+                ("grpc.keepalive_time_ms", 10000),
+                ("grpc.keepalive_timeout_ms", 3000),
+            ],
+        )
+        call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
+        reader: asyncio.Task[None] | None = None
+        try:
+            reg = self.register()
+            await asyncio.wait_for(call.write(agent_pb2.AgentMessage(register=reg)), self.connect_timeout_s)
+            first = await asyncio.wait_for(call.read(), self.connect_timeout_s)
+            if (
+                first is _EOF
+                or not isinstance(first, agent_pb2.ReplicaMessage)
+                or first.WhichOneof("kind") != "register_ack"
+            ):
+                raise LinkError(f"{ep} closed the stream before acknowledging the registration")
+            self.connected_to = ep
+            self.last_ack = self.last_contact = time.monotonic()
+            self.registered.set()
+            log.info(
+                "registered with replica",
+                replica=ep,
+                replica_name=first.register_ack.replica,
+                devices=len(reg.devices),
+            )
+            reader = asyncio.create_task(self._read_acks(call, ep))
+            while True:
+                self._seq += 1
+                hb = agent_pb2.Heartbeat(
+                    seq=self._seq, sent_at_unix_ms=int(time.time() * 1000), samples=self.samples()
+                )
+                await asyncio.wait_for(call.write(agent_pb2.AgentMessage(heartbeat=hb)), self.ack_timeout_s)
+                done, _ = await asyncio.wait({reader}, timeout=self.heartbeat_interval_s)
+                if done:
+                    reader.result()
+                    raise LinkError(f"{ep} closed the stream")
+                silent = time.monotonic() - self.last_ack
+                if silent > self.ack_timeout_s:
+                    raise LinkError(
+                        f"{ep} acknowledged no heartbeat for {silent:.1f}s (limit {self.ack_timeout_s}s)"
+                    )
+        finally:
+            if reader is not None:
+                reader.cancel()
+            call.cancel()
+            await channel.close(None)
+
+    async def _read_acks(
+        self, call: grpc.aio.StreamStreamCall[agent_pb2.AgentMessage, agent_pb2.ReplicaMessage], ep: str
+    ) -> None:
+        while True:
+            msg = await call.read()
+            if msg is _EOF or not isinstance(msg, agent_pb2.ReplicaMessage):
+                return
+            if msg.WhichOneof("kind") == "heartbeat_ack":
+                self.last_ack = self.last_contact = time.monotonic()
+
+
+def registration(
+    node: str,
+    address: str,
+    simulated: bool,
+    devices: list[types_pb2.Device],
+    version: str,
+    config_path: str,
+) -> agent_pb2.RegisterNode:
+    return agent_pb2.RegisterNode(
+        node=node,
+        address=address,
+        simulated=simulated,
+        devices=devices,
+        agent_version=version,
+        agent_pid=os.getpid(),
+        config_path=config_path,
+    )

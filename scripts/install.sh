@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One idempotent install step shared by `make demo` and `make test`:
+# Python 3.11+ with venv, the package and its pinned dependencies in .venv, and an etcd server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
+apt_install() {
+  echo "installing $* with apt-get ..."
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+PY=""
+for cand in python3.13 python3.12 python3.11 python3; do
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+    PY=$(command -v "$cand"); break
+  fi
+done
+if [ -z "$PY" ]; then
+  apt_install python3 python3-venv
+  PY=$(command -v python3)
+fi
+if ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+  apt_install python3-venv
+fi
+
+if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
+  # Debian/Ubuntu package; its own system service (port 2379) is never used: the launcher runs
+  # its own members on their own ports and data dirs.
+  apt_install etcd-server
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "creating .venv with $PY ..."
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.kunlun-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -c 'import controlplane' 2>/dev/null; then
+  echo "installing kunlun-platform and its pinned dependencies into .venv ..."
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+echo "install: ok ($(.venv/bin/python --version), $(etcd --version 2>/dev/null | head -1 || /usr/bin/etcd --version | head -1))"

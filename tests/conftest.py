@@ -1,0 +1,117 @@
+"""Fixtures: a real 3-member TLS etcd cluster, certificates, stores and whole local clusters."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.local.cluster import ClusterSpec, LocalCluster
+from controlplane.local.etcd_cluster import EtcdCluster, build_etcd_cluster
+from controlplane.local.procs import wait_for
+from controlplane.store import EtcdStore, StoreSettings
+from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+
+FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@pytest.fixture(scope="session")
+def tmp_base() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kunlun-test-", dir=FAST_TMP))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cert_dir(tmp_base: Path) -> Path:
+    d = tmp_base / "certs"
+    init_cluster_certs(d, ClusterCerts(nodes=("node-a", "node-b", "node-c", "node-x")))
+    return d
+
+
+def store_settings(cert_dir: Path, endpoints: tuple[str, ...], **kw: float) -> StoreSettings:
+    p = paths_for(cert_dir, "replica", "replica-1")
+    return StoreSettings(endpoints, str(p.ca), str(p.cert), str(p.key), **kw)  # type: ignore[arg-type]
+
+
+def _etcd_ready(cert_dir: Path, endpoints: tuple[str, ...]) -> bool:
+    async def check() -> bool:
+        s = EtcdStore(store_settings(cert_dir, endpoints, request_timeout_s=2.0, retry_deadline_s=2.0))
+        try:
+            await s.revision()
+            return True
+        finally:
+            await s.close()
+
+    return asyncio.run(check())
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_base: Path, cert_dir: Path) -> Iterator[EtcdCluster]:
+    """A real 3-member etcd cluster with client and peer TLS, shared by the store tests."""
+    cluster = build_etcd_cluster(tmp_base / "etcd", cert_dir)
+    cluster.start()
+    try:
+        wait_for(lambda: _etcd_ready(cert_dir, cluster.endpoints), 60, "etcd cluster")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def store(etcd: EtcdCluster, cert_dir: Path) -> AsyncIterator[EtcdStore]:
+    s = EtcdStore(store_settings(cert_dir, etcd.endpoints, watch_idle_timeout_s=8.0))
+    await s.connect()
+    yield s
+    await s.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own."""
+    return f"/test/{uuid.uuid4().hex[:12]}/"
+
+
+@pytest.fixture(autouse=True)
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves asyncio tasks running."""
+    before = set(asyncio.all_tasks())
+    yield
+    await asyncio.sleep(0)
+    leaked = [
+        t for t in asyncio.all_tasks() if t not in before and not t.done() and t is not asyncio.current_task()
+    ]
+    for _ in range(20):
+        if not leaked:
+            break
+        await asyncio.sleep(0.05)
+        leaked = [t for t in leaked if not t.done()]
+    assert not leaked, f"leaked asyncio tasks: {[t.get_name() for t in leaked]}"
+
+
+def start_cluster(base: Path, **kw: object) -> LocalCluster:
+    cluster = LocalCluster(ClusterSpec(base_dir=base, **kw))  # type: ignore[arg-type]
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A whole local cluster (3 etcd members, 3 replicas, 2 agents) for one test module."""
+    base = Path(tempfile.mkdtemp(prefix="kunlun-cluster-", dir=FAST_TMP))
+    c = start_cluster(base)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(base, ignore_errors=True)
