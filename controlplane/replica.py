@@ -32,9 +32,9 @@ VERSION = "0.1.0"
 
 
 class Replica:
-    def __init__(self, settings: ReplicaSettings, etcd_wait_s: float = 60.0) -> None:
+    def __init__(self, settings: ReplicaSettings) -> None:
         self.settings = settings
-        self.etcd_wait_s = etcd_wait_s
+        self.etcd_wait_s = settings.etcd_wait_s
         ca, cert, key = settings.cert_paths()
         self.tls = tls.load_tls(CertPaths(ca, cert, key), expect_roles=("replica",))
         if self.tls.identity.name != settings.name:

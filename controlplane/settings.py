@@ -36,6 +36,9 @@ class ReplicaSettings:
     heartbeat_ack_requires_etcd_s: float = 6.0
     """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
     agent talking to a replica cut off from etcd moves to another replica."""
+    etcd_wait_s: float = 60.0
+    """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
+    non-zero; 0 waits forever."""
     log_level: str = "info"
     """debug, info, warning or error."""
 

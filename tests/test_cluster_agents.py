@@ -1,0 +1,171 @@
+"""Node agents: failover between replicas, node lease expiry, and bad input at start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from controlplane.local.cluster import LocalCluster
+from controlplane.local.procs import wait_for
+from kunlun_common.api import cluster_pb2, types_pb2
+
+
+def nodes(cluster: LocalCluster) -> dict[str, types_pb2.Node]:
+    resp = cluster.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+    assert isinstance(resp, cluster_pb2.ListNodesResponse)
+    return {n.name: n for n in resp.nodes}
+
+
+def connected_replica(cluster: LocalCluster, node: str) -> str:
+    n = nodes(cluster).get(node)
+    return n.connected_replica if n is not None and n.ready else ""
+
+
+def _agent_log(cluster: LocalCluster, node: str) -> str:
+    return cluster.agents[node].log_text()
+
+
+def test_agent_moves_when_its_replica_is_killed(cluster: LocalCluster) -> None:
+    wait_for(lambda: connected_replica(cluster, "node-a"), 30, "node-a connected")
+    holder = connected_replica(cluster, "node-a")
+    cluster.replicas[holder].kill()
+    try:
+        wait_for(
+            lambda: connected_replica(cluster, "node-a") not in ("", holder),
+            30,
+            "node-a to move to another replica",
+        )
+        assert nodes(cluster)["node-a"].ready
+        assert all(d.status == types_pb2.DEVICE_STATUS_READY for d in nodes(cluster)["node-a"].devices)
+    finally:
+        cluster.restart_replica(holder)
+        wait_for(lambda: cluster.replica_serving(holder), 30, "replica back")
+
+
+def test_agent_moves_when_its_replica_is_paused(cluster: LocalCluster) -> None:
+    wait_for(lambda: connected_replica(cluster, "node-b"), 30, "node-b connected")
+    holder = connected_replica(cluster, "node-b")
+    proc = cluster.replicas[holder]
+    proc.pause()
+    try:
+        wait_for(
+            lambda: connected_replica(cluster, "node-b") not in ("", holder),
+            40,
+            "node-b to leave the SIGSTOPped replica",
+        )
+        assert "acknowledged no heartbeat" in _agent_log(
+            cluster, "node-b"
+        ) or "replica link lost" in _agent_log(cluster, "node-b")
+    finally:
+        proc.resume()
+    assert nodes(cluster)["node-b"].ready
+
+
+def test_dead_agent_turns_node_not_ready_and_devices_unavailable(cluster: LocalCluster) -> None:
+    wait_for(lambda: nodes(cluster)["node-b"].ready, 30, "node-b ready")
+    cluster.agents["node-b"].kill()
+    wait_for(lambda: not nodes(cluster)["node-b"].ready, 40, "node-b NotReady after its lease expires")
+    devs = nodes(cluster)["node-b"].devices
+    assert devs and all(d.status == types_pb2.DEVICE_STATUS_UNAVAILABLE for d in devs)
+    assert "NotReady" in devs[0].status_reason
+    # the leader recorded the transition
+    log = "".join(p.log_text() for p in cluster.replicas.values())
+    assert "node readiness changed" in log and "node lease expired" in log
+    # and node-a is untouched
+    assert nodes(cluster)["node-a"].ready
+    cluster.start_agent(cluster.spec.node_configs[1], "node-b")
+    wait_for(lambda: nodes(cluster)["node-b"].ready, 40, "node-b Ready again after restart")
+    wait_for(
+        lambda: all(d.status == types_pb2.DEVICE_STATUS_READY for d in nodes(cluster)["node-b"].devices),
+        30,
+        "node-b devices Ready again",
+    )
+
+
+def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_replica_config_with_unknown_field_exits_with_one_line(tmp_path: Path, cluster: LocalCluster) -> None:
+    cfg = tmp_path / "replica.yaml"
+    cfg.write_text(
+        f"name: replica-1\ncert_dir: {cluster.cert_dir}\netcd_endpoints: [https://127.0.0.1:1]\nlisen: 127.0.0.1:1\n"
+    )
+    r = _run(["controlplane.main", "--config", str(cfg)])
+    assert r.returncode == 2
+    assert "lisen: unknown field; did you mean 'listen'?" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_replica_with_bad_election_timing_is_refused(cluster: LocalCluster) -> None:
+    r = _run(
+        [
+            "controlplane.main",
+            "--name=replica-1",
+            f"--cert-dir={cluster.cert_dir}",
+            "--etcd-endpoints=https://127.0.0.1:1",
+            "--election-ttl=5",
+            "--renew-deadline=1",
+            "--retry-period=1",
+        ]
+    )
+    assert r.returncode == 2 and "1.2 x retry_period_s" in r.stderr
+
+
+def test_replica_with_certificate_of_other_role_is_refused(cluster: LocalCluster) -> None:
+    r = _run(
+        [
+            "controlplane.main",
+            "--name=viewer",
+            f"--cert-dir={cluster.cert_dir}",
+            "--etcd-endpoints=https://127.0.0.1:1",
+        ]
+    )
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr or "role" in r.stderr
+
+
+def test_replica_without_etcd_says_so_and_exits(cluster: LocalCluster, tmp_path: Path) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(
+        f"name: replica-1\ncert_dir: {cluster.cert_dir}\netcd_endpoints: [https://127.0.0.1:1]\n"
+        "listen: 127.0.0.1:0\netcd_wait_s: 3\n"
+    )
+    r = _run(["controlplane.main", "--config", str(cfg)])
+    assert r.returncode == 1
+    assert "unreachable or without quorum" in r.stderr and "waiting for etcd" in r.stderr
+
+
+def test_agent_config_that_is_not_yaml(cluster: LocalCluster, tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("node: [unclosed\n  - x: {\n")
+    r = _run(
+        [
+            "node_agent.main",
+            "--config",
+            str(cfg),
+            "--endpoints",
+            cluster.endpoints[0],
+            "--cert-dir",
+            str(cluster.cert_dir),
+        ]
+    )
+    assert r.returncode == 2 and str(cfg) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_agent_certificate_decides_the_node(cluster: LocalCluster, tmp_path: Path) -> None:
+    text = Path(cluster.spec.node_configs[0]).read_text().replace("name: node-a", "name: node-zz")
+    cfg = tmp_path / "node-zz.yaml"
+    cfg.write_text(text)
+    r = _run(
+        [
+            "node_agent.main",
+            "--config",
+            str(cfg),
+            "--endpoints",
+            cluster.endpoints[0],
+            "--cert-dir",
+            str(cluster.cert_dir),
+        ]
+    )
+    assert r.returncode == 2 and "node-zz" in r.stderr
