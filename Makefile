@@ -27,8 +27,8 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 bench: install
-	$(PY) bench/failover.py
-	$(PY) bench/heartbeats.py
+	$(PY) -m bench.failover
+	$(PY) -m bench.heartbeats
 
 clean: down
 	rm -rf .kunlun
