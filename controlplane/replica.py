@@ -78,19 +78,20 @@ class Replica:
                 return
             except TemporaryError as e:
                 waited = time.monotonic() - start
-                if self.etcd_wait_s and waited > self.etcd_wait_s:
-                    raise TemporaryError(
-                        f"etcd at {', '.join(self.settings.etcd_endpoints)} unreachable or without quorum for "
-                        f"{waited:.0f}s ({e}); start etcd (make demo does) or fix etcd_endpoints"
-                    ) from None
                 delay = backoff_delay(attempt, 0.5, 5.0)
                 attempt += 1
                 log.warning(
                     "waiting for etcd",
                     endpoints=list(self.settings.etcd_endpoints),
                     error=str(e)[:200],
+                    waited_s=round(waited, 1),
                     retry_in=round(delay, 1),
                 )
+                if self.etcd_wait_s and waited > self.etcd_wait_s:
+                    raise TemporaryError(
+                        f"etcd at {', '.join(self.settings.etcd_endpoints)} unreachable or without quorum for "
+                        f"{waited:.0f}s ({e}); start etcd (make demo does) or fix etcd_endpoints"
+                    ) from None
                 await asyncio.sleep(delay)
 
     async def _register(self) -> None:

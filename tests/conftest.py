@@ -109,7 +109,7 @@ def start_cluster(base: Path, **kw: object) -> LocalCluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A whole local cluster (3 etcd members, 3 replicas, 2 agents) for one test module."""
     base = Path(tempfile.mkdtemp(prefix="kunlun-cluster-", dir=FAST_TMP))
-    c = start_cluster(base)
+    c = start_cluster(base, extra_nodes=("node-x", "node-c"))
     try:
         yield c
     finally:

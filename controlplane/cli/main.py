@@ -38,18 +38,30 @@ def make_client(args: argparse.Namespace) -> Client:
     return Client(cfg, timeout_s=args.timeout)
 
 
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    """Global options, accepted before or after the command (sub-commands must not reset them)."""
+
+    def d(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("-o", "--output", choices=["table", "json"], default=d("table"), help="output format")
+    c.add_argument(
+        "--endpoints", default=d(None), help="comma-separated replica addresses (overrides the client config)"
+    )
+    c.add_argument(
+        "--config",
+        default=d(None),
+        help="client config (default $KUNLUN_CONFIG or ~/.config/kunlun/config.yaml)",
+    )
+    c.add_argument("--timeout", type=float, default=d(5.0), help="seconds per replica before trying the next")
+    return c
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
-    common.add_argument("--endpoints", help="comma-separated replica addresses (overrides the client config)")
-    common.add_argument(
-        "--config", help="client config file (default $KUNLUN_CONFIG or ~/.config/kunlun/config.yaml)"
-    )
-    common.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds per replica before trying the next"
-    )
+    common = _common(suppress=True)
     p = argparse.ArgumentParser(
-        prog="kunlun-cli", description="Operate a Kunlun Platform cluster.", parents=[common]
+        prog="kunlun-cli", description="Operate a Kunlun Platform cluster.", parents=[_common(False)]
     )
     sub = p.add_subparsers(dest="group", required=True)
     device_cmd.register(sub, common)
