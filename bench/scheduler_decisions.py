@@ -9,14 +9,14 @@ For each cluster size (nodes x 8 devices, four device types) it queues single-de
 - commit-sized: one `schedule(max_placements=50)` call, index build and ordering included, i.e.
   what the leader pays to recompute after a rejected commit.
 
-Usage: python bench/scheduler_decisions.py [--nodes 100 1000] [--queue 10000] [--seed 1]
+Usage: python -m bench.scheduler_decisions [--nodes 100 1000] [--queue 10000] [--seed 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -107,7 +107,9 @@ def build_queue(size: int, rng: random.Random) -> list[PendingInstance]:
 
 
 def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
+    """Nearest-rank percentile (q in 0..1), as bench.common.pct."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
 
 
 def bench(nodes: int, queue: int, seed: int) -> None:

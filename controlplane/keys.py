@@ -13,7 +13,16 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | alive/<node>                       | replica for its agent | {"schema", "replica", "lease", "since_ms"}    | node lease       |
 | node-status/<node>                 | leader (fenced)       | {"schema", "ready", "since_ms", "reason"}     | -                |
 | telemetry/<node>                   | replica for its agent | {"schema", "at_ms", "devices": {name: tele}}  | -                |
-| audit/<unix_ms>-<replica>          | every replica         | {"schema", "who", "what", "at_ms"}            | audit TTL lease  |
+| workloads/<id>                     | API (goal state)      | Workload incl. spec (proto JSON)              | -                |
+| workload-names/<name>              | API (goal state)      | {"schema", "id"} — CAS-created: names unique  | -                |
+| cordons/<node>                     | API (goal state)      | {"schema", "cordoned", "drain", "by", "at_ms"}| -                |
+| scheduler/config                   | API (goal state)      | {"schema", "yaml", "by", "at_ms"}             | -                |
+| instances/<instance id>            | leader (fenced)       | Instance (proto JSON): placement, phase, why  | -                |
+| alloc/<node>/<type>:<index>        | leader (fenced)       | {"schema", "instance", "workload", "at_ms"}   | -                |
+
+A device is held by at most one instance: an allocation is committed in one fenced transaction
+that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
+race can never both take a device.
 
 Liveness is the `alive/<node>` key: it exists while the node's lease lives. A node is Ready while it
 exists; its devices are then shown with the status the agent reported, else `Unavailable`.
@@ -38,6 +47,12 @@ ALIVE = ROOT + "alive/"
 NODE_STATUS = ROOT + "node-status/"
 TELEMETRY = ROOT + "telemetry/"
 AUDIT = ROOT + "audit/"
+WORKLOADS = ROOT + "workloads/"
+WORKLOAD_NAMES = ROOT + "workload-names/"
+CORDONS = ROOT + "cordons/"
+SCHEDULER_CONFIG = ROOT + "scheduler/config"
+INSTANCES = ROOT + "instances/"
+ALLOC = ROOT + "alloc/"
 SCHEMA = 1
 
 
@@ -89,3 +104,28 @@ def decode_message(raw: bytes, msg: Message) -> Message:
     data = json.loads(raw)
     json_format.ParseDict(data.get("message", {}), msg, ignore_unknown_fields=True)
     return msg
+
+
+def workload(wid: str) -> str:
+    return WORKLOADS + wid
+
+
+def workload_name(name: str) -> str:
+    return WORKLOAD_NAMES + name
+
+
+def cordon(node_name: str) -> str:
+    return CORDONS + node_name
+
+
+def instance(iid: str) -> str:
+    return INSTANCES + iid
+
+
+def alloc(device: str) -> str:
+    """Allocation key of a device named `<node>/<type>:<index>`."""
+    return ALLOC + device
+
+
+def alloc_device(key: str) -> str:
+    return key[len(ALLOC) :]

@@ -16,13 +16,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
+from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.nodes import NodeSessions
+from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
 from kunlun_common import tls
-from kunlun_common.api import agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
+from kunlun_common.api import agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc, workload_pb2_grpc
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
@@ -53,12 +55,13 @@ class Replica:
         )
         self.sessions = NodeSessions(self.store, settings)
         self.lifecycle = NodeLifecycle(self.store)
+        self.scheduler = SchedulerLoop(self.store, settings.name)
         self.elector = Elector(
             self.store,
             settings.name,
             settings.advertise_address,
             settings.election,
-            loops=[self._lifecycle_loop],
+            loops=[self._lifecycle_loop, self.scheduler.run],
         )
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -134,6 +137,7 @@ class Replica:
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
             AgentService(self.sessions, self.settings.name, self.settings.node_lease_ttl_s), server
         )
+        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(WorkloadService(self.store), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
@@ -167,6 +171,23 @@ class Replica:
         self.stopped.set()
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: log where every asyncio task is waiting (for operators debugging a stuck loop)."""
+    import io
+
+    for t in asyncio.all_tasks():
+        buf = io.StringIO()
+        coro: object = t.get_coro()
+        for _ in range(20):  # follow the chain of awaits down to where the task is parked
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+            if frame is not None:
+                buf.write(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+            if coro is None:
+                break
+        log.info("task stack", task=t.get_name(), stack=buf.getvalue())
+
+
 async def serve(settings: ReplicaSettings) -> None:
     """Run a replica until SIGTERM/SIGINT."""
     replica = Replica(settings)
@@ -175,6 +196,7 @@ async def serve(settings: ReplicaSettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter, *replica._tasks]
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

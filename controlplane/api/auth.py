@@ -18,6 +18,7 @@ log = structlog.get_logger("auth")
 Ctx: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 READERS = ("operator", "viewer", "replica")
+WRITERS = ("operator",)
 PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.ClusterService/ListDevices": READERS,
     "/kunlun.v1.ClusterService/DescribeDevice": READERS,
@@ -25,6 +26,14 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.ClusterService/ClusterStatus": READERS,
     "/kunlun.v1.ClusterService/WhoAmI": ("operator", "viewer", "replica", "agent", "gateway"),
     "/kunlun.v1.AgentService/Connect": ("agent",),
+    "/kunlun.v1.WorkloadService/SubmitWorkload": WRITERS,
+    "/kunlun.v1.WorkloadService/ListWorkloads": READERS,
+    "/kunlun.v1.WorkloadService/GetWorkload": READERS,
+    "/kunlun.v1.WorkloadService/ScaleWorkload": WRITERS,
+    "/kunlun.v1.WorkloadService/DeleteWorkload": WRITERS,
+    "/kunlun.v1.WorkloadService/CordonNode": WRITERS,
+    "/kunlun.v1.WorkloadService/GetSchedulerConfig": READERS,
+    "/kunlun.v1.WorkloadService/SetSchedulerConfig": WRITERS,
 }
 
 

@@ -8,12 +8,13 @@ from typing import Any, TypeVar
 import grpc
 
 from controlplane.cli.config import ClientConfig
-from kunlun_common.api import cluster_pb2_grpc
+from kunlun_common.api import cluster_pb2_grpc, workload_pb2_grpc
 from kunlun_common.errors import KunlunError
 from kunlun_common.pki import CertPaths
 from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
 
 T = TypeVar("T")
+S = TypeVar("S")
 _FAILOVER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -38,10 +39,22 @@ class Client:
 
     def call(self, fn: Callable[[cluster_pb2_grpc.ClusterServiceStub], Callable[..., T]], request: Any) -> T:
         """Call a ClusterService method on the first replica that answers."""
+        return self.call_stub(cluster_pb2_grpc.ClusterServiceStub, fn, request)
+
+    def workloads(
+        self, fn: Callable[[workload_pb2_grpc.WorkloadServiceStub], Callable[..., T]], request: Any
+    ) -> T:
+        """Call a WorkloadService method on the first replica that answers."""
+        return self.call_stub(workload_pb2_grpc.WorkloadServiceStub, fn, request)
+
+    def call_stub(
+        self, stub_cls: Callable[[grpc.Channel], S], fn: Callable[[S], Callable[..., T]], request: Any
+    ) -> T:
+        """Call a method on the first replica that answers; fail over on unavailable or timeout."""
         errors: list[str] = []
         for ep in self.cfg.endpoints:
             with self.channel(ep) as ch:
-                stub = cluster_pb2_grpc.ClusterServiceStub(ch)
+                stub = stub_cls(ch)
                 try:
                     result = fn(stub)(request, timeout=self.timeout_s)
                     self.answered_by = ep

@@ -25,6 +25,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     nsub = node.add_subparsers(dest="cmd", required=True)
     nl = nsub.add_parser("list", help="every node with readiness and agent", parents=[common])
     nl.set_defaults(handler=node_list)
+    from controlplane.cli.workload_cmd import register_node_ops
+
+    register_node_ops(nsub, common)
 
 
 def device_list(args: argparse.Namespace) -> int:

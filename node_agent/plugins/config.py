@@ -48,12 +48,10 @@ from node_agent.plugins.config_schema import (
     ROOT_FIELDS,
     SCHEMA_VERSION,
     Fault,
-    FieldSpec,
     Issue,
     Problem,
-    check_bool,
     check_number,
-    check_str,
+    check_scalar,
     read_keys,
 )
 from node_agent.plugins.config_yaml import (
@@ -268,7 +266,7 @@ class _Loader:
             value_node = keys.get(spec.name)
             if value_node is None and not spec.required:
                 continue
-            value = _check(spec, value_node)
+            value = check_scalar(spec, value_node)
             if isinstance(value, Fault):
                 self.fail(line_of(value_node or section), "node." + spec.name, value)
             else:
@@ -314,14 +312,6 @@ def _decl(b: Built) -> DeviceDecl:
         line=e.line,
         errors=tuple(sorted(b.problems, key=lambda p: p.line)),
     )
-
-
-def _check(spec: FieldSpec, node: Node | None) -> object:
-    if spec.type == "boolean":
-        return check_bool(spec, node)
-    if spec.type == "string":
-        return check_str(spec, node)
-    return check_number(spec, node)
 
 
 def _opt_str(value: object) -> str | None:

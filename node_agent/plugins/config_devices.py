@@ -25,9 +25,8 @@ from node_agent.plugins.config_schema import (
     FieldSpec,
     Issue,
     Problem,
-    check_bool,
     check_number,
-    check_str,
+    check_scalar,
     expected_text,
     read_keys,
     suggest,
@@ -133,12 +132,8 @@ def read_entry(index: int, node: Node) -> Entry:
 
 
 def _check(spec: FieldSpec, node: Node | None) -> str | bool | int | float | Fault:
-    if spec.type == "boolean":
-        return check_bool(spec, node)
-    if spec.type == "string":
-        value = check_str(spec, node)
-        return Fault(expected_text(spec), "null") if value is None else value
-    return check_number(spec, node)
+    value = check_scalar(spec, node)
+    return Fault(expected_text(spec), "null") if value is None else value  # no device field is nullable
 
 
 def _read_ids(entry: Entry) -> None:

@@ -332,6 +332,15 @@ def check_str(spec: FieldSpec, node: Node | None) -> str | Fault | None:
     return value
 
 
+def check_scalar(spec: FieldSpec, node: Node | None) -> str | bool | int | float | Fault | None:
+    """The value of a boolean, string or number field (None only for a nullable string)."""
+    if spec.type == "boolean":
+        return check_bool(spec, node)
+    if spec.type == "string":
+        return check_str(spec, node)
+    return check_number(spec, node)
+
+
 _HOST_LABEL_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 

@@ -1,0 +1,163 @@
+"""WorkloadService: goal-state writes only (validate, write, answer after etcd committed)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from controlplane import keys
+from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
+from controlplane.store import EtcdStore
+from controlplane.workloads import records
+from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
+from kunlun_common.api import workload_pb2, workload_pb2_grpc
+from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+
+SVC = "/kunlun.v1.WorkloadService/"
+
+
+class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
+    def __init__(self, store: EtcdStore) -> None:
+        self.store = store
+
+    async def _instances(self) -> dict[str, list[workload_pb2.Instance]]:
+        kvs, _ = await self.store.get_prefix(keys.INSTANCES)
+        out: dict[str, list[workload_pb2.Instance]] = {}
+        for kv in kvs:
+            inst = records.decode_instance(kv)
+            out.setdefault(inst.workload_id, []).append(inst)
+        for v in out.values():
+            v.sort(key=lambda i: i.ordinal)
+        return out
+
+    async def _fail(self, context: Ctx, e: Exception) -> None:
+        if isinstance(e, SpecError):
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(e, records.NotFound):
+            await abort(context, grpc.StatusCode.NOT_FOUND, str(e))
+        if isinstance(e, ConfigError):
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(e, TemporaryError):
+            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        if isinstance(e, PermanentError):
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        raise e
+
+    async def SubmitWorkload(
+        self, request: workload_pb2.SubmitWorkloadRequest, context: Ctx
+    ) -> workload_pb2.SubmitWorkloadResponse:
+        who = await authorize(context, SVC + "SubmitWorkload")
+        try:
+            spec = checked(request.spec)
+            w, result = await records.submit(self.store, spec, str(who))
+        except Exception as e:
+            await self._fail(context, e)
+            raise
+        return workload_pb2.SubmitWorkloadResponse(workload=w, result=result)
+
+    async def ListWorkloads(
+        self, request: workload_pb2.ListWorkloadsRequest, context: Ctx
+    ) -> workload_pb2.ListWorkloadsResponse:
+        await authorize(context, SVC + "ListWorkloads")
+        kvs, _ = await self.store.get_prefix(keys.WORKLOADS)
+        insts = await self._instances()
+        out = []
+        for kv in kvs:
+            w = records.decode_workload(kv)
+            ii = insts.get(w.id, [])
+            out.append(
+                workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+            )
+        out.sort(key=lambda s: s.workload.created_at_unix_ms)
+        return workload_pb2.ListWorkloadsResponse(workloads=out)
+
+    async def GetWorkload(
+        self, request: workload_pb2.GetWorkloadRequest, context: Ctx
+    ) -> workload_pb2.WorkloadSummary:
+        await authorize(context, SVC + "GetWorkload")
+        try:
+            w, _ = await records.resolve(self.store, request.name)
+        except Exception as e:
+            await self._fail(context, e)
+            raise
+        ii = (await self._instances()).get(w.id, [])
+        return workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+
+    async def ScaleWorkload(
+        self, request: workload_pb2.ScaleWorkloadRequest, context: Ctx
+    ) -> workload_pb2.SubmitWorkloadResponse:
+        who = await authorize(context, SVC + "ScaleWorkload")
+        if not 0 <= request.replicas <= MAX_REPLICAS:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replicas: expected 0..{MAX_REPLICAS}, found {request.replicas}",
+            )
+        try:
+            w = await records.update(
+                self.store, request.name, f"Scaled to {request.replicas}", str(who), replicas=request.replicas
+            )
+        except Exception as e:
+            await self._fail(context, e)
+            raise
+        return workload_pb2.SubmitWorkloadResponse(workload=w, result="updated")
+
+    async def DeleteWorkload(
+        self, request: workload_pb2.DeleteWorkloadRequest, context: Ctx
+    ) -> workload_pb2.DeleteWorkloadResponse:
+        who = await authorize(context, SVC + "DeleteWorkload")
+        try:
+            w = await records.update(self.store, request.name, "Deleting", str(who), delete=True)
+        except Exception as e:
+            await self._fail(context, e)
+            raise
+        return workload_pb2.DeleteWorkloadResponse(id=w.id)
+
+    async def CordonNode(
+        self, request: workload_pb2.CordonNodeRequest, context: Ctx
+    ) -> workload_pb2.CordonNodeResponse:
+        who = await authorize(context, SVC + "CordonNode")
+        if await self.store.get(keys.node(request.node)) is None:
+            await abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"node {request.node!r} is not registered; see `kunlun-cli node list`",
+            )
+        cordoned = request.cordon or request.drain
+        await self.store.put(
+            keys.cordon(request.node),
+            keys.encode(
+                {
+                    "cordoned": cordoned,
+                    "drain": request.drain,
+                    "by": str(who),
+                    "at_ms": int(time.time() * 1000),
+                }
+            ),
+        )
+        return workload_pb2.CordonNodeResponse(node=request.node, cordoned=cordoned, draining=request.drain)
+
+    async def GetSchedulerConfig(
+        self, request: workload_pb2.SchedulerConfigRequest, context: Ctx
+    ) -> workload_pb2.SchedulerConfigText:
+        await authorize(context, SVC + "GetSchedulerConfig")
+        kv = await self.store.get(keys.SCHEDULER_CONFIG)
+        text = str(keys.decode(kv.value)["yaml"]) if kv else to_yaml(SchedulerConfig())
+        return workload_pb2.SchedulerConfigText(yaml=text)
+
+    async def SetSchedulerConfig(
+        self, request: workload_pb2.SchedulerConfigText, context: Ctx
+    ) -> workload_pb2.SchedulerConfigText:
+        who = await authorize(context, SVC + "SetSchedulerConfig")
+        try:
+            cfg = parse_scheduler_config(request.yaml, "scheduler_config.yaml")
+        except ConfigError as e:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        text = to_yaml(cfg)
+        await self.store.put(
+            keys.SCHEDULER_CONFIG,
+            keys.encode({"yaml": text, "by": str(who), "at_ms": int(time.time() * 1000)}),
+        )
+        return workload_pb2.SchedulerConfigText(yaml=text)

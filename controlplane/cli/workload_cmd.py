@@ -1,0 +1,350 @@
+"""`kunlun-cli workload ...`, `node cordon|uncordon|drain`, `scheduler config get|set`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from controlplane.cli.client import CliError
+from controlplane.cli.output import print_json, print_table
+from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
+from kunlun_common.api import workload_pb2
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    w = sub.add_parser(
+        "workload", help="inference workloads (submit, list, describe, scale, delete)", parents=[common]
+    )
+    ws = w.add_subparsers(dest="cmd", required=True)
+    s = ws.add_parser(
+        "submit", help="submit a workload from a YAML spec or flags (idempotent)", parents=[common]
+    )
+    s.add_argument("-f", "--file", help="spec YAML (WorkloadSpec fields)")
+    s.add_argument("--name")
+    s.add_argument("--model")
+    s.add_argument("--engine", help="sglang (default) or template")
+    s.add_argument("--command-template")
+    s.add_argument("--device", dest="pin", help="pin: TYPE:INDEX (ascend:0) or NODE/TYPE:INDEX")
+    s.add_argument("--quantization", help="none, w8a8, int8, fp8, int4")
+    s.add_argument("--dtype", help="fp16, bf16, fp32, auto")
+    s.add_argument("--devices-per-instance", type=int)
+    s.add_argument("--memory-per-device-mb", type=int)
+    s.add_argument("--replicas", type=int)
+    s.add_argument("--priority", choices=["high", "normal", "low"])
+    s.add_argument("--preferred-device-types", help="comma-separated, in order, e.g. cambricon,ascend")
+    s.add_argument("--batch-size", type=int)
+    s.add_argument("--max-concurrency", type=int)
+    s.add_argument("--require-p2p", action="store_true", default=None)
+    s.set_defaults(handler=submit)
+    ls = ws.add_parser("list", help="ID NAME PHASE INSTANCES TARGET AGE", parents=[common])
+    ls.set_defaults(handler=list_workloads)
+    d = ws.add_parser(
+        "describe", help="spec, instances with target devices, history, reasons", parents=[common]
+    )
+    d.add_argument("name", help="name or id")
+    d.set_defaults(handler=describe)
+    sc = ws.add_parser("scale", help="set the number of instances", parents=[common])
+    sc.add_argument("name")
+    sc.add_argument("replicas", type=int)
+    sc.set_defaults(handler=scale)
+    de = ws.add_parser("delete", help="delete a workload and its instances", parents=[common])
+    de.add_argument("name")
+    de.add_argument("--wait", action="store_true", help="wait until it is gone")
+    de.set_defaults(handler=delete)
+
+
+def register_node_ops(nsub: Any, common: argparse.ArgumentParser) -> None:
+    for cmd, helptext in (
+        ("cordon", "no new instances on this node"),
+        ("uncordon", "allow new instances again"),
+        ("drain", "cordon and move its instances elsewhere (reports those that cannot move)"),
+    ):
+        p = nsub.add_parser(cmd, help=helptext, parents=[common])
+        p.add_argument("node")
+        if cmd == "drain":
+            p.add_argument(
+                "--wait",
+                dest="drain_timeout",
+                type=float,
+                default=60.0,
+                help="seconds to wait for the moves",
+            )
+        p.set_defaults(handler=node_op, op=cmd)
+
+
+def register_scheduler(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = sub.add_parser("scheduler", help="scheduler settings (applied live)", parents=[common])
+    ss = s.add_subparsers(dest="cmd", required=True)
+    c = ss.add_parser("config", help="get or set scheduler_config.yaml", parents=[common])
+    cs = c.add_subparsers(dest="sub", required=True)
+    g = cs.add_parser("get", help="print the scheduler config", parents=[common])
+    g.set_defaults(handler=config_get)
+    st = cs.add_parser(
+        "set", help="replace the scheduler config (an invalid file is refused whole)", parents=[common]
+    )
+    st.add_argument("-f", "--file", required=True)
+    st.set_defaults(handler=config_set)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from controlplane.cli.main import make_client
+
+    return make_client(args)
+
+
+def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
+    spec = workload_pb2.WorkloadSpec()
+    if args.file:
+        try:
+            text = Path(args.file).read_text()
+        except OSError as e:
+            raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+        try:
+            spec = parse_spec_yaml(text, args.file)
+        except SpecError as e:
+            raise CliError(str(e).replace("\n", " ")) from None
+    for flag in ("name", "model", "engine", "command_template", "pin", "quantization", "dtype", "priority"):
+        v = getattr(args, flag)
+        if v is not None:
+            setattr(spec, flag, v)
+    for flag in ("devices_per_instance", "memory_per_device_mb", "replicas", "batch_size", "max_concurrency"):
+        v = getattr(args, flag)
+        if v is not None:
+            setattr(spec, flag, v)
+    if args.require_p2p:
+        spec.require_p2p = True
+    if args.preferred_device_types:
+        del spec.preferred_device_types[:]
+        spec.preferred_device_types.extend(
+            t.strip() for t in args.preferred_device_types.split(",") if t.strip()
+        )
+    if not args.file and not spec.model:
+        raise CliError("give a spec file (-f spec.yaml) or at least --model")
+    return spec
+
+
+def submit(args: argparse.Namespace) -> int:
+    client = _client(args)
+    resp = client.workloads(
+        lambda s: s.SubmitWorkload, workload_pb2.SubmitWorkloadRequest(spec=build_spec(args))
+    )
+    w = resp.workload
+    if args.output == "json":
+        print_json(
+            {
+                "id": w.id,
+                "name": w.spec.name,
+                "result": resp.result,
+                "generation": w.generation,
+                "spec": spec_json(w.spec),
+            }
+        )
+    else:
+        print(f"workload {w.spec.name} ({w.id}) {resp.result}")
+    return 0
+
+
+def _age(ms: int) -> str:
+    s = max(0, int(time.time() - ms / 1000))
+    return f"{s}s" if s < 120 else f"{s // 60}m" if s < 7200 else f"{s // 3600}h"
+
+
+def instance_json(i: workload_pb2.Instance) -> dict[str, Any]:
+    return {
+        "id": i.id,
+        "ordinal": i.ordinal,
+        "phase": i.phase,
+        "reason": i.reason,
+        "node": i.node,
+        "target_devices": list(i.target_devices),
+        "endpoint": i.endpoint,
+        "unplaced_reasons": dict(sorted(i.unplaced_reasons.items())),
+        "history": [
+            {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in i.history
+        ],
+    }
+
+
+def summary_json(s: workload_pb2.WorkloadSummary) -> dict[str, Any]:
+    w = s.workload
+    return {
+        "id": w.id,
+        "name": w.spec.name,
+        "phase": s.phase,
+        "instances": len(s.instances),
+        "replicas": w.spec.replicas,
+        "target": sorted(d for i in s.instances for d in i.target_devices),
+        "generation": w.generation,
+        "created_at_unix_ms": w.created_at_unix_ms,
+        "created_by": w.created_by,
+        "updated_by": w.updated_by,
+        "spec": spec_json(w.spec),
+        "history": [
+            {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in w.history
+        ],
+        "instance_details": [instance_json(i) for i in s.instances],
+    }
+
+
+def list_workloads(args: argparse.Namespace) -> int:
+    resp = _client(args).workloads(lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest())
+    items = [summary_json(s) for s in resp.workloads]
+    if args.output == "json":
+        print_json({"items": items})
+        return 0
+    print_table(
+        ["ID", "NAME", "PHASE", "INSTANCES", "TARGET", "AGE"],
+        [
+            [
+                w["id"],
+                w["name"],
+                w["phase"],
+                f"{sum(1 for i in w['instance_details'] if i['target_devices'])}/{w['replicas']}",
+                ",".join(w["target"]) or "-",
+                _age(w["created_at_unix_ms"]),
+            ]
+            for w in items
+        ],
+    )
+    return 0
+
+
+def describe(args: argparse.Namespace) -> int:
+    s = _client(args).workloads(lambda st: st.GetWorkload, workload_pb2.GetWorkloadRequest(name=args.name))
+    d = summary_json(s)
+    if args.output == "json":
+        print_json(d)
+        return 0
+    print(
+        f"Name:        {d['name']}\nID:          {d['id']}\nPhase:       {d['phase']}\nGeneration:  {d['generation']}"
+    )
+    print(f"Created by:  {d['created_by']}   updated by: {d['updated_by']}")
+    print("Spec:")
+    for k, v in d["spec"].items():
+        if v not in ("", 0, [], {}, False):
+            print(f"  {k}: {v}")
+    print("Instances:")
+    for i in d["instance_details"]:
+        print(f"  {i['id']}  {i['phase']}  target_devices: [{', '.join(i['target_devices'])}]  {i['reason']}")
+        for node, why in i["unplaced_reasons"].items():
+            print(f"      {node}: {why}")
+        for h in i["history"][-5:]:
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
+            print(f"      {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
+    print("History:")
+    for h in d["history"]:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
+        print(f"  {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
+    return 0
+
+
+def scale(args: argparse.Namespace) -> int:
+    resp = _client(args).workloads(
+        lambda s: s.ScaleWorkload, workload_pb2.ScaleWorkloadRequest(name=args.name, replicas=args.replicas)
+    )
+    if args.output == "json":
+        print_json(
+            {"id": resp.workload.id, "name": resp.workload.spec.name, "replicas": resp.workload.spec.replicas}
+        )
+    else:
+        print(f"workload {resp.workload.spec.name} scaled to {resp.workload.spec.replicas}")
+    return 0
+
+
+def delete(args: argparse.Namespace) -> int:
+    client = _client(args)
+    resp = client.workloads(lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name=args.name))
+    if args.wait:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            names = {
+                s.workload.id
+                for s in client.workloads(
+                    lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()
+                ).workloads
+            }
+            if resp.id not in names:
+                break
+            time.sleep(0.5)
+        else:
+            raise CliError(
+                f"workload {args.name} is still being deleted after 60s; see `kunlun-cli workload describe {args.name}`"
+            )
+    if args.output == "json":
+        print_json({"id": resp.id, "deleted": True})
+    else:
+        print(
+            f"workload {args.name} ({resp.id}) deleted"
+            if args.wait
+            else f"workload {args.name} ({resp.id}) is being deleted"
+        )
+    return 0
+
+
+def node_op(args: argparse.Namespace) -> int:
+    client = _client(args)
+    req = workload_pb2.CordonNodeRequest(
+        node=args.node, cordon=args.op != "uncordon", drain=args.op == "drain"
+    )
+    resp = client.workloads(lambda s: s.CordonNode, req)
+    stuck: list[dict[str, Any]] = []
+    if args.op == "drain":
+        end = time.monotonic() + args.drain_timeout
+        while True:
+            summaries = client.workloads(
+                lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()
+            ).workloads
+            left = [
+                (s.workload.spec.name, i)
+                for s in summaries
+                for i in s.instances
+                if i.node == args.node and i.phase != "Pending"
+            ]
+            stuck = [{"workload": n, "instance": i.id, "reason": i.reason} for n, i in left]
+            blocked = bool(left) and all(i.reason.startswith("DrainBlocked") for _, i in left)
+            if not left or blocked or time.monotonic() > end:
+                break
+            time.sleep(0.5)
+    if args.output == "json":
+        print_json(
+            {"node": resp.node, "cordoned": resp.cordoned, "draining": resp.draining, "cannot_move": stuck}
+        )
+    else:
+        print(
+            f"node {resp.node} {'cordoned' if resp.cordoned else 'uncordoned'}"
+            + (", drained" if resp.draining else "")
+        )
+        for s in stuck:
+            print(f"  cannot move {s['instance']} ({s['workload']}): {s['reason']}", file=sys.stdout)
+    return 0
+
+
+def config_get(args: argparse.Namespace) -> int:
+    resp = _client(args).workloads(lambda s: s.GetSchedulerConfig, workload_pb2.SchedulerConfigRequest())
+    if args.output == "json":
+        import yaml
+
+        print_json(yaml.safe_load(resp.yaml))
+    else:
+        sys.stdout.write(resp.yaml)
+    return 0
+
+
+def config_set(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.file).read_text()
+    except OSError as e:
+        raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+    resp = _client(args).workloads(
+        lambda s: s.SetSchedulerConfig, workload_pb2.SchedulerConfigText(yaml=text)
+    )
+    if args.output == "json":
+        import yaml
+
+        print_json(yaml.safe_load(resp.yaml))
+    else:
+        print("scheduler config applied")
+    return 0

@@ -1,0 +1,163 @@
+"""Leader decisions as etcd transaction units, and packing them into fenced commits.
+
+A unit is the compares and operations of one decision (create an instance, place it, release it,
+...). Units are packed into transactions of at most MAX_TXN_OPS operations and compares (etcd's
+limit counts each list separately; the fence adds one compare and one failure read), and each
+transaction is committed through the leader's Fence: atomically, or not at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from controlplane import keys
+from controlplane.store import KV, Compare, DeleteOp, Op, PutOp
+from controlplane.store.contract import MAX_TXN_OPS
+from kunlun_common.api import workload_pb2
+
+
+@dataclass
+class Unit:
+    """The compares and operations of one decision, and what to log about it."""
+
+    what: str
+    compares: list[Compare] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def event(inst: workload_pb2.Instance, phase: str, by: str, reason: str = "") -> None:
+    inst.phase = phase
+    inst.reason = reason
+    inst.history.append(workload_pb2.PhaseEvent(phase=phase, at_unix_ms=now_ms(), by=by, reason=reason))
+    del inst.history[:-50]  # bounded history
+
+
+def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1) -> list[list[Unit]]:
+    """Greedy packing of units into transactions within etcd's per-list limit."""
+    batches: list[list[Unit]] = []
+    cur: list[Unit] = []
+    n_cmp = n_ops = 0
+    for u in units:
+        if cur and (n_cmp + len(u.compares) > limit or n_ops + len(u.ops) > limit):
+            batches.append(cur)
+            cur, n_cmp, n_ops = [], 0, 0
+        cur.append(u)
+        n_cmp += len(u.compares)
+        n_ops += len(u.ops)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str) -> Unit:
+    inst = workload_pb2.Instance(
+        id=f"{w.id}-{ordinal}",
+        workload_id=w.id,
+        workload=w.spec.name,
+        ordinal=ordinal,
+        seq=w_kv.create_revision * 10000 + ordinal,
+        enqueued_at_unix_ms=now_ms(),
+        generation=w.generation,
+    )
+    event(inst, "Pending", by, "waiting for placement")
+    key = keys.instance(inst.id)
+    return Unit(f"create {inst.id}", [Compare.absent(key)], [PutOp(key, keys.encode_message(inst))])
+
+
+def _free_allocs(
+    inst: workload_pb2.Instance, allocs: dict[str, tuple[str, KV]]
+) -> tuple[list[Compare], list[Op]]:
+    cmps: list[Compare] = []
+    ops: list[Op] = []
+    for dev in inst.target_devices:
+        held = allocs.get(dev)
+        if held and held[0] == inst.id:
+            cmps.append(Compare.unchanged(held[1].key, held[1].mod_revision))
+            ops.append(DeleteOp(held[1].key))
+    return cmps, ops
+
+
+def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple[str, KV]]) -> Unit:
+    cmps, ops = _free_allocs(inst, allocs)
+    return Unit(
+        f"remove {inst.id}", [Compare.unchanged(kv.key, kv.mod_revision), *cmps], [DeleteOp(kv.key), *ops]
+    )
+
+
+def release_instance(
+    inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple[str, KV]], by: str, reason: str
+) -> Unit:
+    """Back to the queue (rescheduling, preemption, spec change): free its devices in the same commit."""
+    cmps, ops = _free_allocs(inst, allocs)
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.node = ""
+    del new.target_devices[:]
+    new.endpoint = ""
+    new.enqueued_at_unix_ms = now_ms()
+    event(new, "Pending", by, reason)
+    return Unit(
+        f"release {inst.id}: {reason}",
+        [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
+        [PutOp(kv.key, keys.encode_message(new)), *ops],
+    )
+
+
+def place_instance(
+    inst: workload_pb2.Instance,
+    kv: KV,
+    node: str,
+    devices: tuple[str, ...],
+    by: str,
+    generation: int,
+    allocs: dict[str, tuple[str, KV]] | None = None,
+    reason: str = "",
+) -> Unit:
+    """Place (or move, when `allocs` holds its old allocations): each new device must still be free."""
+    old_cmps: list[Compare] = []
+    old_ops: list[Op] = []
+    if allocs is not None:
+        old_cmps, old_ops = _free_allocs(inst, allocs)
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.node = node
+    del new.target_devices[:]
+    new.target_devices.extend(devices)
+    new.unplaced_reasons.clear()
+    new.generation = generation
+    event(new, "Scheduled", by, reason or f"placed on {', '.join(devices)}")
+    alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
+    return Unit(
+        f"place {inst.id} on {','.join(devices)}",
+        [
+            Compare.unchanged(kv.key, kv.mod_revision),
+            *old_cmps,
+            *(Compare.absent(keys.alloc(d)) for d in devices),
+        ],
+        [
+            PutOp(kv.key, keys.encode_message(new)),
+            *old_ops,
+            *(PutOp(keys.alloc(d), alloc_value) for d in devices),
+        ],
+    )
+
+
+def note_unplaced(inst: workload_pb2.Instance, kv: KV, reasons: dict[str, str], reason: str) -> Unit | None:
+    """Record why an instance is not placed (only when that changed)."""
+    if dict(inst.unplaced_reasons) == reasons and inst.reason == reason:
+        return None
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.unplaced_reasons.clear()
+    new.unplaced_reasons.update(reasons)
+    new.reason = reason
+    return Unit(
+        f"unplaced {inst.id}",
+        [Compare.unchanged(kv.key, kv.mod_revision)],
+        [PutOp(kv.key, keys.encode_message(new))],
+    )

@@ -1,0 +1,278 @@
+"""Indexes built once per `schedule()` call so that one decision does not scan the whole graph.
+
+- every device becomes a `Slot` (its static score and flags computed once);
+- identical devices share a `Profile` (type, model, memory, precisions, throughput, p2p), so the
+  capability filters run once per profile, not once per device;
+- each node keeps its free count, a version bumped whenever one of its devices is taken, and its
+  devices grouped by (profile, status, too hot) for reason reporting;
+- a `LazyPool` keeps the best candidate of each node in a heap. Taking a device re-evaluates only
+  that node in the pools that contain it; entries of an older node version are dropped when they
+  reach the top. A decision costs O(log nodes) instead of O(devices).
+
+Slots and pools are mutable but private to one `schedule()` call.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import combinations
+from math import comb
+from typing import Any, Generic, TypeVar
+
+from controlplane.scheduler.config import SchedulerConfig
+from controlplane.scheduler.filters import filter_node
+from controlplane.scheduler.model import DeviceView, GraphSnapshot, NodeView
+from controlplane.scheduler.scores import NODE_WEIGHT, device_score, is_busy, node_score, set_distance, tflops
+
+Key = tuple[int, int, int, float, str, tuple[int, ...]]
+"""(busy, type rank, topology distance, -score, node name, device positions): smaller is better."""
+Candidate = tuple[Key, tuple["Slot", ...]]
+"""A key and the slots it would take."""
+
+METRICS = ("fp16", "bf16", "int8")
+MAX_SUBSETS = 1024
+"""Above this many device subsets of one node, multi-device sets are grown greedily from each device."""
+K = TypeVar("K", bound=tuple[Any, ...])
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Capabilities shared by identical devices."""
+
+    pid: int
+    """Position in `ClusterIndex.profiles`."""
+    sample: DeviceView
+    """One device of the profile (for type, memory, precisions and throughput)."""
+
+
+class Slot:
+    """One device plus the plan-local state `taken`."""
+
+    __slots__ = ("allocated", "busy", "device", "node_idx", "pos", "profile", "schedulable", "score", "taken")
+
+    def __init__(
+        self,
+        device: DeviceView,
+        node_idx: int,
+        pos: int,
+        profile: Profile,
+        node_ok: bool,
+        config: SchedulerConfig,
+    ) -> None:
+        self.device = device
+        self.node_idx = node_idx
+        self.pos = pos
+        self.profile = profile
+        self.schedulable = (
+            node_ok and device.status == "Ready" and device.temperature_c < config.temperature_limit_c
+        )
+        self.busy = int(is_busy(device.utilization_pct, config.min_gpu_utilization_threshold))
+        self.score = device_score(device.utilization_pct, device.temperature_c, config.temperature_limit_c)
+        self.allocated = device.allocated_to is not None
+        self.taken = False
+
+    @property
+    def free(self) -> bool:
+        """Not held by a running instance and not used earlier in this plan."""
+        return not self.allocated and not self.taken
+
+
+@dataclass(frozen=True)
+class Group:
+    """Devices of one node with the same profile, readiness and heat."""
+
+    profile: Profile
+    """Their profile."""
+    ready: bool
+    """Status is Ready."""
+    hot: bool
+    """At or above the temperature limit."""
+    slots: tuple[Slot, ...]
+    """The devices, in node order."""
+
+
+class NodeEntry:
+    """A node's static view and plan-local counters."""
+
+    __slots__ = (
+        "free_count", "groups", "idx", "name", "node", "pools", "reason", "rows", "rows_id", "slots", "version"
+    )  # fmt: skip
+
+    def __init__(self, node: NodeView, idx: int) -> None:
+        self.node = node
+        self.name = node.name
+        self.idx = idx
+        self.reason = filter_node(node)
+        self.slots: list[Slot] = []
+        self.rows = tuple(d.topology_distance for d in node.devices)
+        self.rows_id = 0
+        self.groups: list[Group] = []
+        self.free_count = 0
+        self.version = 0
+        self.pools: list[LazyPool[Any, Any]] = []
+
+
+class ClusterIndex:
+    """Slots, profiles, groups and pools of one snapshot under one config."""
+
+    def __init__(self, snapshot: GraphSnapshot, config: SchedulerConfig) -> None:
+        self.config = config
+        self.nodes: list[NodeEntry] = []
+        self.slots_by_name: dict[str, Slot] = {}
+        self.profiles: list[Profile] = []
+        profile_ids: dict[tuple[object, ...], Profile] = {}
+        rows_ids: dict[tuple[tuple[int, ...], ...], int] = {}
+        best = dict.fromkeys(METRICS, 0.0)
+        schedulable: dict[int, dict[int, list[Slot]]] = {}
+        limit = config.temperature_limit_c
+        for idx, node in enumerate(snapshot.nodes):
+            entry = NodeEntry(node, idx)
+            entry.rows_id = rows_ids.setdefault(entry.rows, len(rows_ids))
+            node_ok = entry.reason is None
+            grouped: dict[tuple[int, bool, bool], list[Slot]] = {}
+            for pos, dev in enumerate(node.devices):
+                pkey = (
+                    dev.device_type,
+                    dev.model,
+                    dev.hbm_memory_mb,
+                    dev.supported_dtypes,
+                    dev.fp16_tflops,
+                    dev.bf16_tflops,
+                    dev.int8_tflops,
+                    dev.p2p_enabled,
+                )
+                profile = profile_ids.get(pkey)
+                if profile is None:
+                    profile = Profile(len(self.profiles), dev)
+                    profile_ids[pkey] = profile
+                    self.profiles.append(profile)
+                    for metric in METRICS:
+                        best[metric] = max(best[metric], tflops(dev, metric))
+                slot = Slot(dev, idx, pos, profile, node_ok, config)
+                entry.slots.append(slot)
+                self.slots_by_name[dev.name] = slot
+                if slot.schedulable:
+                    schedulable.setdefault(profile.pid, {}).setdefault(idx, []).append(slot)
+                    if not slot.allocated:
+                        entry.free_count += 1
+                gkey = (profile.pid, dev.status == "Ready", dev.temperature_c >= limit)
+                grouped.setdefault(gkey, []).append(slot)
+            entry.groups = [
+                Group(self.profiles[pid], ready, hot, tuple(slots))
+                for (pid, ready, hot), slots in grouped.items()
+            ]
+            self.nodes.append(entry)
+        self.best_tflops = best
+        self.max_node_devices = max((len(n.slots) for n in self.nodes), default=0)
+        self._profile_pools: dict[int, LazyPool[Key, tuple[Slot, ...]]] = {}
+        self._schedulable = schedulable
+        self._subsets: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
+
+    def node_score(self, entry: NodeEntry) -> float:
+        """Weighted spread/binpack score of a node at its current free count."""
+        return NODE_WEIGHT * node_score(entry.free_count, self.max_node_devices, self.config.policy)
+
+    def take(self, slot: Slot) -> None:
+        """Use `slot` in this plan (placed, or reserved by a preemption); call `refresh` after."""
+        if slot.taken:
+            raise ValueError(f"device {slot.device.name} is already used in this plan")
+        was_free = slot.free
+        slot.taken = True
+        entry = self.nodes[slot.node_idx]
+        if was_free and slot.schedulable:
+            entry.free_count -= 1
+        entry.version += 1
+
+    def refresh(self, node_idxs: Iterable[int]) -> None:
+        """Re-evaluate nodes in every pool holding them (after `take`)."""
+        for idx in node_idxs:
+            for pool in self.nodes[idx].pools:
+                pool.refresh(idx)
+
+    def subsets(self, entry: NodeEntry, n: int) -> list[tuple[int, tuple[int, ...]]] | None:
+        """Every n-subset of the node's device positions with its total distance, closest first;
+        shared by nodes with the same topology. None above MAX_SUBSETS subsets."""
+        m = len(entry.rows)
+        if comb(m, n) > MAX_SUBSETS:
+            return None
+        key = (entry.rows_id, n)
+        table = self._subsets.get(key)
+        if table is None:
+            table = sorted((set_distance(entry.rows, c), c) for c in combinations(range(m), n))
+            self._subsets[key] = table
+        return table
+
+    def profile_pool(self, profile: Profile) -> LazyPool[Key, tuple[Slot, ...]]:
+        """The pool of the best free schedulable device of `profile` per node (built on first use).
+
+        Its keys carry type rank 0 and no compute score: both are constant within a profile, so a
+        caller adds them for its own workload.
+        """
+        pool = self._profile_pools.get(profile.pid)
+        if pool is None:
+            pool = self._build_profile_pool(profile)
+            self._profile_pools[profile.pid] = pool
+        return pool
+
+    def _build_profile_pool(self, profile: Profile) -> LazyPool[Key, tuple[Slot, ...]]:
+        ranked = self._schedulable.get(profile.pid, {})
+        for slots in ranked.values():
+            slots.sort(key=lambda s: (s.busy, -s.score, s.pos))
+        cursor = dict.fromkeys(ranked, 0)
+
+        def best_on(idx: int) -> Candidate | None:
+            slots = ranked[idx]
+            i = cursor[idx]
+            while i < len(slots) and not slots[i].free:
+                i += 1
+            cursor[idx] = i
+            if i == len(slots):
+                return None
+            slot = slots[i]
+            entry = self.nodes[idx]
+            score = self.node_score(entry) + slot.score
+            return (slot.busy, 0, 0, -score, entry.name, (slot.pos,)), (slot,)
+
+        return LazyPool(self, ranked, best_on)
+
+
+class LazyPool(Generic[K, V]):
+    """A heap of each node's best (key, value), kept valid through node versions.
+
+    `evaluate(node_idx)` gives the node's best (key, value) now, or None; smaller keys are better
+    and must differ between nodes (they end with the node name), so values are never compared.
+    """
+
+    def __init__(
+        self, index: ClusterIndex, node_idxs: Iterable[int], evaluate: Callable[[int], tuple[K, V] | None]
+    ) -> None:
+        self._index = index
+        self._evaluate = evaluate
+        self._heap: list[tuple[K, int, int, V]] = []
+        nodes = index.nodes
+        for idx in node_idxs:
+            nodes[idx].pools.append(self)
+            found = evaluate(idx)
+            if found is not None:
+                self._heap.append((found[0], nodes[idx].version, idx, found[1]))
+        heapq.heapify(self._heap)
+
+    def refresh(self, idx: int) -> None:
+        """Push the current best of node `idx` (older entries of the node go stale)."""
+        found = self._evaluate(idx)
+        if found is not None:
+            heapq.heappush(self._heap, (found[0], self._index.nodes[idx].version, idx, found[1]))
+
+    def top(self) -> tuple[K, V] | None:
+        """The best valid (key, value), or None when no node has one."""
+        heap = self._heap
+        nodes = self._index.nodes
+        while heap:
+            key, version, idx, value = heap[0]
+            if version == nodes[idx].version:
+                return key, value
+            heapq.heappop(heap)
+        return None

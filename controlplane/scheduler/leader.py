@@ -1,0 +1,292 @@
+"""The leader's scheduling loop: reconcile instances with workloads, reschedule, drain, place.
+
+Driven by the graph cache (watch events) plus a 1 s tick. Each tick decodes the cache, decides
+(pure functions), and commits the decisions as fenced transactions; a rejected commit (something
+changed under the plan) is simply recomputed on the next tick from the newer state. Idempotent:
+a new leader continues where the old one stopped. One log line per tick that decided something.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from controlplane import keys
+from controlplane.cache import GraphCache
+from controlplane.election import Fence
+from controlplane.scheduler.actions import (
+    Unit,
+    create_instance,
+    note_unplaced,
+    pack,
+    place_instance,
+    release_instance,
+    remove_instance,
+)
+from controlplane.scheduler.model import Placement
+from controlplane.scheduler.plan import schedule
+from controlplane.scheduler.snapshot import PLACED, ClusterState, decode_state, graph_snapshot, queue_inputs
+from controlplane.store import Compare, DeleteOp, EtcdStore, Op
+from kunlun_common.errors import TemporaryError
+from kunlun_common.names import DEVICE_TYPES
+
+log = structlog.get_logger("scheduler")
+
+
+def _blocked_reason(reasons: dict[str, str]) -> str:
+    if reasons and all(r == "NoFreeDevice" for r in reasons.values()):
+        return "NoFreeDevice"
+    return "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items())) or "no node"
+
+
+class SchedulerLoop:
+    def __init__(self, store: EtcdStore, replica: str) -> None:
+        self.store = store
+        self.by = f"scheduler@{replica}"
+        self.unhealthy_since: dict[str, float] = {}
+        self.ticks = 0
+
+    async def run(self, fence: Fence) -> None:
+        cache = GraphCache(self.store)
+        await cache.start()
+        log.info("scheduler started", epoch=fence.epoch, revision=cache.revision, keys=len(cache.kvs))
+        try:
+            while not fence.lost.is_set():
+                try:
+                    await asyncio.wait_for(cache.changed.wait(), 1.0)
+                except TimeoutError:
+                    pass
+                cache.changed.clear()
+                rev = await self.tick(fence, cache)
+                if rev and not await cache.wait_for_revision(rev):
+                    log.warning("graph cache did not catch up with our commit", revision=rev)
+        finally:
+            await cache.stop()
+
+    # ------------------------------------------------------------------ decisions
+    def lifecycle_units(self, st: ClusterState) -> list[Unit]:
+        """Instances to create or remove so each workload has `replicas` instances; deletions."""
+        units: list[Unit] = []
+        by_workload: dict[str, list[tuple[int, str]]] = {}
+        for inst, kv in st.instances.values():
+            if inst.workload_id not in st.workloads:
+                units.append(remove_instance(inst, kv, st.allocs))  # orphan
+                continue
+            by_workload.setdefault(inst.workload_id, []).append((inst.ordinal, inst.id))
+        for wid, (w, wkv) in st.workloads.items():
+            have = {o for o, _ in by_workload.get(wid, [])}
+            if w.deleting:
+                for _, iid in by_workload.get(wid, []):
+                    inst, kv = st.instances[iid]
+                    units.append(remove_instance(inst, kv, st.allocs))
+                if not have:
+                    ops: list[Op] = [DeleteOp(wkv.key), DeleteOp(keys.workload_name(w.spec.name))]
+                    units.append(
+                        Unit(
+                            f"delete workload {w.spec.name}",
+                            [Compare.unchanged(wkv.key, wkv.mod_revision)],
+                            ops,
+                        )
+                    )
+                continue
+            want = w.spec.replicas
+            for ordinal in range(want):
+                if ordinal not in have:
+                    units.append(create_instance(w, wkv, ordinal, self.by))
+            for ordinal, iid in by_workload.get(wid, []):
+                if ordinal >= want:
+                    inst, kv = st.instances[iid]
+                    units.append(remove_instance(inst, kv, st.allocs))
+        # allocations nobody holds (never expected; keeps the graph clean after any bug)
+        for dev, (holder, kv) in st.allocs.items():
+            inst_kv = st.instances.get(holder)
+            if inst_kv is None or dev not in inst_kv[0].target_devices:
+                units.append(
+                    Unit(
+                        f"free orphan allocation {dev}",
+                        [Compare.unchanged(kv.key, kv.mod_revision)],
+                        [DeleteOp(kv.key)],
+                    )
+                )
+        return units
+
+    def reschedule_units(self, st: ClusterState, now: float) -> list[Unit]:
+        """Instances on nodes NotReady past the grace period, or on devices Unhealthy past theirs."""
+        cfg = st.config
+        units: list[Unit] = []
+        unhealthy: set[str] = set()
+        for n in st.nodes.values():
+            for d in n.devices:
+                if d.status == 2:  # DEVICE_STATUS_UNHEALTHY
+                    unhealthy.add(d.name)
+        self.unhealthy_since = {d: self.unhealthy_since.get(d, now) for d in unhealthy}
+        for inst, kv in st.instances.values():
+            if inst.phase not in PLACED or not inst.node:
+                continue
+            owner = st.workloads.get(inst.workload_id)
+            if owner is None or owner[0].deleting:
+                continue
+            generation = owner[0].generation
+            reason = ""
+            if inst.node not in st.alive:
+                since = st.node_status.get(inst.node, {}).get("since_ms")
+                down_for = now - (float(since) / 1000 if isinstance(since, int | float) else now)
+                if inst.node not in st.nodes or down_for >= cfg.node_not_ready_grace_seconds:
+                    reason = f"Rescheduled: node {inst.node} NotReady for {down_for:.0f}s"
+            bad = [
+                d
+                for d in inst.target_devices
+                if d in self.unhealthy_since
+                and now - self.unhealthy_since[d] >= cfg.device_unhealthy_grace_seconds
+            ]
+            if bad and not reason:
+                reason = f"Rescheduled: device {bad[0]} Unhealthy"
+            if not reason and inst.generation and inst.generation != generation:
+                reason = f"Rescheduled: spec updated to generation {generation}"
+            if reason:
+                units.append(release_instance(inst, kv, st.allocs, self.by, reason))
+        return units
+
+    def drain_units(self, st: ClusterState, now: float) -> list[Unit]:
+        drained = frozenset(n for n, c in st.cordons.items() if c.get("drain"))
+        if not drained:
+            return []
+        from controlplane.scheduler.model import PendingInstance
+        from controlplane.scheduler.snapshot import workload_req
+
+        movers = [(i, kv) for i, kv in st.instances.values() if i.node in drained and i.phase in PLACED]
+        if not movers:
+            return []
+        snap = graph_snapshot(st, exclude_nodes=drained)
+        pending = [
+            PendingInstance(i.id, workload_req(st.workloads[i.workload_id][0]), now, int(i.seq))
+            for i, _ in movers
+            if i.workload_id in st.workloads
+        ]
+        plan = schedule(snap, pending, [], st.config, now)
+        units: list[Unit] = []
+        for p in plan.placements:
+            inst, kv = st.instances[p.instance_id]
+            units.append(
+                place_instance(
+                    inst,
+                    kv,
+                    p.node,
+                    p.devices,
+                    self.by,
+                    inst.generation,
+                    allocs=st.allocs,
+                    reason=f"moved off drained node {inst.node}",
+                )
+            )
+        for u in plan.unplaced:
+            inst, kv = st.instances[u.instance_id]
+            why = f"DrainBlocked: cannot move off {inst.node}: {_blocked_reason(dict(u.reasons))}"
+            unit = note_unplaced(inst, kv, dict(inst.unplaced_reasons), why)
+            if unit:
+                units.append(unit)
+        return units
+
+    def placement_units(self, st: ClusterState, now: float) -> tuple[list[Unit], int, int, int]:
+        pending, running = queue_inputs(st)
+        if not pending:
+            return [], 0, 0, 0
+        plan = schedule(graph_snapshot(st), pending, running, st.config, now)
+        units: list[Unit] = []
+        evicted: set[str] = set()
+        placed = 0
+        for p in plan.placements:
+            if p.preempts:
+                for victim in p.preempts:
+                    if victim in evicted or victim not in st.instances:
+                        continue
+                    evicted.add(victim)
+                    vi, vkv = st.instances[victim]
+                    units.append(
+                        release_instance(
+                            vi, vkv, st.allocs, self.by, f"Preempted by {p.instance_id} (priority high)"
+                        )
+                    )
+                continue  # placed on the next tick, once the victims' devices are free
+            units.append(self._place(st, p))
+            placed += 1
+        for u in plan.unplaced:
+            inst, kv = st.instances[u.instance_id]
+            reasons = dict(u.reasons)
+            unit = note_unplaced(inst, kv, reasons, _blocked_reason(reasons))
+            if unit:
+                units.append(unit)
+        return units, placed, len(plan.unplaced), len(evicted)
+
+    def _place(self, st: ClusterState, p: Placement) -> Unit:
+        inst, kv = st.instances[p.instance_id]
+        gen = st.workloads[inst.workload_id][0].generation
+        return place_instance(inst, kv, p.node, p.devices, self.by, gen)
+
+    # ------------------------------------------------------------------ commit
+    async def tick(self, fence: Fence, cache: GraphCache) -> int:
+        t0 = time.perf_counter()
+        now = time.time()
+        st = decode_state(cache.kvs, cache.revision)
+        if st.config_error:
+            log.warning("stored scheduler config unreadable; using defaults", error=st.config_error)
+        units = self.lifecycle_units(st)
+        if units:  # structure first; placement on the next tick sees the new instances
+            return await self.commit(fence, units, "lifecycle", t0)
+        units = self.reschedule_units(st, now) + self.drain_units(st, now)
+        placement, placed, unplaced, evicted = self.placement_units(st, now)
+        units += placement
+        if not units:
+            return 0
+        rev = await self.commit(fence, units, "schedule", t0)
+        log.info(
+            "scheduler tick",
+            placed=placed,
+            unplaced=unplaced,
+            evicted=evicted,
+            units=len(units),
+            ms=round((time.perf_counter() - t0) * 1000, 1),
+            revision=rev,
+        )
+        return rev
+
+    async def _explain(self, compares: list[Compare]) -> list[str]:
+        """Which compares of a rejected commit no longer hold (read back from etcd), for the log."""
+        out: list[str] = []
+        for c in compares[:16]:
+            kv = await self.store.get(c.key)
+            have = {"create": kv.create_revision if kv else 0, "mod": kv.mod_revision if kv else 0}.get(
+                c.target
+            )
+            if have is not None and have != c.value:
+                out.append(f"{c.key}: {c.target} expected {c.value!r}, is {have}")
+        return out
+
+    async def commit(self, fence: Fence, units: list[Unit], kind: str, t0: float) -> int:
+        last = 0
+        for batch in pack(units):
+            compares = [c for u in batch for c in u.compares]
+            ops = [o for u in batch for o in u.ops]
+            try:
+                res = await fence.txn(compares, ops)
+            except TemporaryError as e:
+                log.warning("commit failed; will recompute", kind=kind, error=str(e))
+                return last
+            if not res.succeeded:
+                log.info(
+                    "commit rejected (state changed under the plan); recomputing",
+                    kind=kind,
+                    units=len(batch),
+                    first=batch[0].what,
+                    failed=await self._explain(compares),
+                )
+                return last or res.revision
+            last = res.revision
+        if kind == "lifecycle":
+            log.info("instances reconciled", changes=len(units), first=units[0].what, revision=last)
+        return last
+
+
+__all__ = ["DEVICE_TYPES", "SchedulerLoop"]

@@ -1,0 +1,1 @@
+"""Workloads: the spec, its validation, and the goal-state API logic."""

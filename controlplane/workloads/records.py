@@ -1,0 +1,148 @@
+"""Reading and writing workload goal state in etcd (API side) and deriving workload phases."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from controlplane import keys
+from controlplane.store import KV, Compare, EtcdStore, PutOp
+from controlplane.workloads.spec import spec_json
+from kunlun_common.api import workload_pb2
+from kunlun_common.errors import PermanentError, TemporaryError
+
+PLACED = ("Scheduled", "Starting", "Running")
+
+
+class NotFound(PermanentError):
+    pass
+
+
+class Conflict(TemporaryError):
+    """Someone else changed the record first; re-read and retry."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def decode_workload(kv: KV) -> workload_pb2.Workload:
+    w = workload_pb2.Workload()
+    keys.decode_message(kv.value, w)
+    return w
+
+
+def decode_instance(kv: KV) -> workload_pb2.Instance:
+    i = workload_pb2.Instance()
+    keys.decode_message(kv.value, i)
+    return i
+
+
+async def resolve(store: EtcdStore, name_or_id: str) -> tuple[workload_pb2.Workload, KV]:
+    """Find a workload by name or id."""
+    kv = await store.get(keys.workload(name_or_id))
+    if kv is None:
+        ref = await store.get(keys.workload_name(name_or_id))
+        if ref is not None:
+            kv = await store.get(keys.workload(str(keys.decode(ref.value)["id"])))
+    if kv is None:
+        raise NotFound(f"workload {name_or_id!r} not found; see `kunlun-cli workload list`")
+    return decode_workload(kv), kv
+
+
+async def submit(
+    store: EtcdStore, spec: workload_pb2.WorkloadSpec, who: str
+) -> tuple[workload_pb2.Workload, str]:
+    """Create or update a workload by name (idempotent). Returns (workload, created|updated|unchanged)."""
+    for _ in range(5):
+        ref = await store.get(keys.workload_name(spec.name))
+        if ref is None:
+            wid = "w-" + uuid.uuid4().hex[:10]
+            w = workload_pb2.Workload(
+                id=wid,
+                spec=spec,
+                generation=1,
+                created_at_unix_ms=now_ms(),
+                created_by=who,
+                updated_by=who,
+                history=[workload_pb2.PhaseEvent(phase="Submitted", at_unix_ms=now_ms(), by=who)],
+            )
+            res = await store.txn(
+                [Compare.absent(keys.workload_name(spec.name))],
+                [
+                    PutOp(keys.workload_name(spec.name), keys.encode({"id": wid})),
+                    PutOp(keys.workload(wid), keys.encode_message(w)),
+                ],
+            )
+            if res.succeeded:
+                return w, "created"
+            continue
+        w, kv = await resolve(store, str(keys.decode(ref.value)["id"]))
+        if w.deleting:
+            raise PermanentError(f"workload {spec.name!r} is being deleted; submit again once it is gone")
+        if spec_json(w.spec) == spec_json(spec):
+            return w, "unchanged"
+        w.spec.CopyFrom(spec)
+        w.generation += 1
+        w.updated_by = who
+        w.history.append(
+            workload_pb2.PhaseEvent(
+                phase="Updated", at_unix_ms=now_ms(), by=who, reason=f"generation {w.generation}"
+            )
+        )
+        res = await store.txn(
+            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, keys.encode_message(w))]
+        )
+        if res.succeeded:
+            return w, "updated"
+    raise Conflict(f"workload {spec.name!r} changed concurrently; retry")
+
+
+async def update(
+    store: EtcdStore,
+    name_or_id: str,
+    change: str,
+    who: str,
+    *,
+    replicas: int | None = None,
+    delete: bool = False,
+) -> workload_pb2.Workload:
+    """Scale or mark for deletion (compare-and-set on the record)."""
+    for _ in range(5):
+        w, kv = await resolve(store, name_or_id)
+        if replicas is not None:
+            if w.spec.replicas == replicas:
+                return w
+            w.spec.replicas = replicas  # not a new generation: running instances stay where they are
+        if delete:
+            if w.deleting:
+                return w
+            w.deleting = True
+        w.updated_by = who
+        w.history.append(workload_pb2.PhaseEvent(phase=change, at_unix_ms=now_ms(), by=who))
+        res = await store.txn(
+            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, keys.encode_message(w))]
+        )
+        if res.succeeded:
+            return w
+    raise Conflict(f"workload {name_or_id!r} changed concurrently; retry")
+
+
+def workload_phase(w: workload_pb2.Workload, instances: list[workload_pb2.Instance]) -> str:
+    if w.deleting:
+        return "Deleting"
+    if w.spec.replicas == 0:
+        return "Stopped"
+    live = [i for i in instances if i.phase != "Stopped"]
+    if len(live) < w.spec.replicas:
+        placed = [i for i in live if i.phase in PLACED]
+        return "Pending" if not placed else "Degraded"
+    if all(i.phase == "Running" for i in live):
+        return "Running"
+    if all(i.phase in PLACED for i in live):
+        return "Scheduled"
+    if any(i.phase == "Failed" for i in live):
+        return "Failed" if all(i.phase == "Failed" for i in live) else "Degraded"
+    if not any(i.phase in PLACED for i in live):
+        return "Pending"
+    return "Degraded"

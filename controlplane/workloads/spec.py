@@ -1,0 +1,168 @@
+"""WorkloadSpec validation and defaults, and its YAML file form.
+
+Every problem is listed by field at once; an invalid spec changes nothing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+import yaml
+from google.protobuf import json_format
+
+from kunlun_common.api import workload_pb2
+from kunlun_common.errors import ConfigError
+from kunlun_common.names import DEVICE_TYPES
+
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+PIN_RE = re.compile(r"^((?P<node>[a-z0-9][a-z0-9-]*)/)?(?P<type>[a-z]+)(:(?P<index>\d+))?$")
+QUANTIZATIONS = ("none", "w8a8", "int8", "fp8", "int4", "awq", "gptq")
+DTYPES = ("auto", "fp16", "bf16", "fp32")
+PRIORITIES = ("high", "normal", "low")
+ENGINES = ("sglang", "template")
+FIELDS = [f.name for f in workload_pb2.WorkloadSpec.DESCRIPTOR.fields]
+MAX_REPLICAS = 1000
+MAX_DEVICES = 64
+
+
+class SpecError(ConfigError):
+    """The spec is invalid; `problems` lists each as 'field: what is wrong; the fix'."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("invalid workload spec:\n" + "\n".join(f"  {p}" for p in problems))
+        self.problems = problems
+
+
+def with_defaults(spec: workload_pb2.WorkloadSpec) -> workload_pb2.WorkloadSpec:
+    s = workload_pb2.WorkloadSpec()
+    s.CopyFrom(spec)
+    if not s.engine:
+        s.engine = "sglang"
+    if not s.quantization:
+        s.quantization = "none"
+    if not s.dtype:
+        s.dtype = "bf16" if s.quantization == "none" else "auto"
+    if not s.devices_per_instance:
+        s.devices_per_instance = 1
+    if s.replicas == 0:
+        s.replicas = 1  # a submitted spec runs at least one instance; `workload scale NAME 0` stops all
+    if not s.priority:
+        s.priority = "normal"
+    if not s.name and s.model:
+        s.name = (
+            re.sub(r"[^a-z0-9.-]+", "-", s.model.lower().rsplit("/", 1)[-1]).strip("-.")[:63] or "workload"
+        )
+    return s
+
+
+def validate(spec: workload_pb2.WorkloadSpec) -> list[str]:
+    """Every problem of a spec (after defaults)."""
+    p: list[str] = []
+    if not NAME_RE.match(spec.name):
+        p.append(
+            f"name: {spec.name!r} is not a valid name; use lowercase letters, digits, '-' and '.', at most 63"
+        )
+    if not spec.model.strip():
+        p.append("model: required; give a model path or name, e.g. qwen2-0.5b")
+    if spec.engine not in ENGINES:
+        p.append(f"engine: expected one of {', '.join(ENGINES)}, found {spec.engine!r}")
+    if spec.engine == "template" and "{port}" not in spec.command_template:
+        p.append("command_template: an engine template must contain {port} (and usually {model}, {host})")
+    if spec.quantization not in QUANTIZATIONS:
+        p.append(f"quantization: expected one of {', '.join(QUANTIZATIONS)}, found {spec.quantization!r}")
+    if spec.dtype not in DTYPES:
+        p.append(f"dtype: expected one of {', '.join(DTYPES)}, found {spec.dtype!r}")
+    if not 1 <= spec.devices_per_instance <= MAX_DEVICES:
+        p.append(f"devices_per_instance: expected 1..{MAX_DEVICES}, found {spec.devices_per_instance}")
+    if spec.memory_per_device_mb < 0:
+        p.append(f"memory_per_device_mb: expected >= 0, found {spec.memory_per_device_mb}")
+    if not 0 <= spec.replicas <= MAX_REPLICAS:
+        p.append(f"replicas: expected 0..{MAX_REPLICAS}, found {spec.replicas}")
+    if spec.priority not in PRIORITIES:
+        p.append(f"priority: expected one of {', '.join(PRIORITIES)}, found {spec.priority!r}")
+    for t in spec.preferred_device_types:
+        if t not in DEVICE_TYPES:
+            p.append(
+                f"preferred_device_types: unknown type {t!r}; expected some of {', '.join(DEVICE_TYPES)}"
+            )
+    if spec.pin:
+        m = PIN_RE.match(spec.pin)
+        if not m or m["type"] not in DEVICE_TYPES:
+            p.append(
+                f"pin: {spec.pin!r} is not a device; use TYPE:INDEX (ascend:0) or NODE/TYPE:INDEX (node-a/ascend:0)"
+            )
+        elif spec.devices_per_instance != 1 and m["index"] is not None:
+            p.append("pin: a pin to one device needs devices_per_instance 1")
+        elif spec.replicas > 1 and m["index"] is not None:
+            p.append("pin: a pin to one device allows at most 1 replica")
+    if spec.max_concurrency < 0:
+        p.append(f"max_concurrency: expected >= 0, found {spec.max_concurrency}")
+    if spec.batch_size < 0:
+        p.append(f"batch_size: expected >= 0, found {spec.batch_size}")
+    for k in spec.env:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            p.append(f"env: {k!r} is not a valid variable name")
+    return p
+
+
+def checked(spec: workload_pb2.WorkloadSpec) -> workload_pb2.WorkloadSpec:
+    """Defaults applied and validated; raises SpecError listing every problem."""
+    s = with_defaults(spec)
+    problems = validate(s)
+    if problems:
+        raise SpecError(problems)
+    return s
+
+
+def parse_spec_yaml(text: str, source: str = "spec.yaml") -> workload_pb2.WorkloadSpec:
+    """The YAML file form: a mapping with WorkloadSpec's field names (unknown keys refused)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise SpecError([f"{source}{where}: not valid YAML ({getattr(e, 'problem', e)})"]) from None
+    if not isinstance(data, dict):
+        raise SpecError([f"{source}: expected a mapping of workload fields, found {type(data).__name__}"])
+    problems: list[str] = []
+    clean: dict[str, Any] = {}
+    for k, v in data.items():
+        if k not in FIELDS:
+            guess = difflib.get_close_matches(str(k), FIELDS, n=1)
+            problems.append(f"{k}: unknown field" + (f"; did you mean {guess[0]!r}?" if guess else ""))
+            continue
+        clean[k] = v
+    spec = workload_pb2.WorkloadSpec()
+    if not problems:
+        try:
+            json_format.ParseDict(clean, spec)
+        except json_format.ParseError as e:
+            problems.append(f"{source}: {e}")
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def spec_json(spec: workload_pb2.WorkloadSpec) -> dict[str, Any]:
+    """The spec as a plain dict with every field (numbers as numbers)."""
+    return {
+        "name": spec.name,
+        "model": spec.model,
+        "engine": spec.engine,
+        "command_template": spec.command_template,
+        "quantization": spec.quantization,
+        "dtype": spec.dtype,
+        "devices_per_instance": spec.devices_per_instance,
+        "memory_per_device_mb": spec.memory_per_device_mb,
+        "replicas": spec.replicas,
+        "priority": spec.priority,
+        "preferred_device_types": list(spec.preferred_device_types),
+        "pin": spec.pin,
+        "max_concurrency": spec.max_concurrency,
+        "batch_size": spec.batch_size,
+        "require_p2p": spec.require_p2p,
+        "engine_args": list(spec.engine_args),
+        "env": dict(spec.env),
+    }
