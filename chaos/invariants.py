@@ -27,3 +27,34 @@ def deposed_leader_commits(writes: Sequence[LeaderWrite]) -> list[LeaderWrite]:
             bad.append(w)
         newest = max(newest, w.epoch)
     return bad
+
+
+@dataclass(frozen=True)
+class AllocEvent:
+    """A change of one device's allocation key, as read from the etcd history."""
+
+    revision: int
+    device: str
+    kind: str  # "put" or "delete"
+    instance: str
+    version: int
+
+
+def double_allocations(events: Sequence[AllocEvent]) -> list[str]:
+    """Moments where a device was given to an instance while another still held it (must be empty).
+
+    Replays the whole history: a put on a device that is held (no delete since its last put)
+    means two instances held it at once.
+    """
+    holder: dict[str, str] = {}
+    bad: list[str] = []
+    for e in sorted(events, key=lambda e: e.revision):
+        if e.kind == "put":
+            if e.device in holder and holder[e.device] != e.instance:
+                bad.append(
+                    f"rev {e.revision}: {e.device} given to {e.instance} while held by {holder[e.device]}"
+                )
+            holder[e.device] = e.instance
+        else:
+            holder.pop(e.device, None)
+    return bad

@@ -156,3 +156,22 @@ async def test_foreign_ca_is_refused(tmp_path: Path, etcd: EtcdCluster) -> None:
 def test_kv_type_is_plain_data() -> None:
     kv = KV("k", b"v", 1, 2, 1, 0)
     assert kv.key == "k" and kv.mod_revision == 2
+
+
+async def test_watch_delivers_every_event_of_a_transaction(store: EtcdStore, prefix: str) -> None:
+    await store.put(prefix + "gone", b"0")
+    _, rev = await store.get_prefix(prefix)
+    res = await store.txn(
+        [], [PutOp(prefix + "a", b"1"), PutOp(prefix + "b", b"2"), DeleteOp(prefix + "gone")]
+    )
+    await store.put(prefix + "c", b"3")
+    seen: list[tuple[str, str]] = []
+    async with asyncio.timeout(20):
+        async for ev in store.watch_prefix(prefix, rev + 1):
+            assert isinstance(ev, WatchEvent)
+            seen.append((ev.kind, ev.kv.key[len(prefix) :]))
+            if len(seen) == 4:
+                break
+    assert sorted(seen[:3]) == [("delete", "gone"), ("put", "a"), ("put", "b")]
+    assert seen[3] == ("put", "c")
+    assert res.succeeded

@@ -363,12 +363,15 @@ class EtcdStore:
                         break
                     if resp.canceled:
                         raise TemporaryError(f"watch canceled: {resp.cancel_reason}")
+                    # one transaction = several events at the same revision: skip only revisions
+                    # delivered before this response, and move on once the whole response is out
+                    first_new = next_rev
                     for ev in resp.events:
                         kv = _kv(ev.kv)
-                        if kv.mod_revision < next_rev:
+                        if kv.mod_revision < first_new:
                             continue
                         yield WatchEvent("delete" if ev.type == 1 else "put", kv)
-                        next_rev = kv.mod_revision + 1
+                        next_rev = max(next_rev, kv.mod_revision + 1)
                     if not resp.events and resp.header.revision >= next_rev and not resp.created:
                         # progress notify: nothing under our prefix up to this revision
                         next_rev = int(resp.header.revision) + 1
