@@ -15,6 +15,7 @@ from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager, simulated_env
 from node_agent.plugins.config import NodeConfig, load_config
+from node_agent.plugins.remote import plugin_socket_dir
 from node_agent.settings import AgentSettings
 
 log = structlog.get_logger("agent")
@@ -36,6 +37,7 @@ class Agent:
         state_dir.mkdir(parents=True, exist_ok=True)
         env = simulated_env(self.config, state_dir) if self.config.simulated else dict(os.environ)
         self.devices = DeviceManager(self.config, env)
+        self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.link = ReplicaLink(
             settings.endpoints,
             self.tls,
@@ -77,6 +79,13 @@ class Agent:
                 log.exception("device sampling failed", error=str(e))
 
     async def run(self) -> None:
+        await self.devices.start(self.plugin_socket_dir)  # out-of-process plugins register here
+        try:
+            await self._run()
+        finally:
+            await self.devices.stop()
+
+    async def _run(self) -> None:
         await self.devices.sample()
         why = self.explain_no_devices()
         if why:

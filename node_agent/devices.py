@@ -1,10 +1,21 @@
-"""The agent's view of its devices: declarations + vendor tools -> Device objects with status.
+"""The agent's view of its devices: it runs the device plugins and merges what they report.
 
-Each declared device is checked against what its vendor tool reports (present, memory within 5%,
-model) and sampled every `health_interval_seconds`. A device is never dropped: a wrong declaration
-or a device the tool does not show is reported with status Error and the reason. In simulated mode
-the same adapters run against stand-in tools (installed as shims on a private PATH) that read a
-per-node state file seeded from the declaration; nothing else differs.
+Every declared device is listed, in declaration order, and never dropped: a device that cannot be
+used is reported with a status (Error, Unhealthy, Unavailable) and the reason. The devices of each
+vendor come from one plugin (`node_agent.plugins.contract`):
+
+- by default the in-process `VendorPlugin` of that vendor, sampled by `sample()` (the agent calls it
+  every `health_interval_seconds`): it runs the vendor tool and cross-checks the declarations;
+- once an out-of-process plugin registers for the vendor on the plugin socket (`start()`; see
+  `node_agent.plugins.remote`), its ListAndWatch stream instead. The in-process plugin of that vendor is
+  no longer sampled. When the plugin process dies its devices turn Unavailable, naming the plugin,
+  until it registers again.
+
+The declaration stays the source of every device's attributes; a plugin contributes status, reason
+and telemetry. Declarations of an unknown device type are in Error from the start.
+
+In simulated mode the same adapters run against stand-in tools (installed as shims on a private PATH)
+that read a per-node state file seeded from the declaration (`simulated_env`); nothing else differs.
 """
 
 from __future__ import annotations
@@ -12,24 +23,22 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from google.protobuf import struct_pb2
 
 from kunlun_common.api import agent_pb2, types_pb2
-from node_agent.plugins.config import DeviceDecl, NodeConfig
+from node_agent.plugins.config import NodeConfig
+from node_agent.plugins.contract import DevicePlugin
+from node_agent.plugins.remote import PluginRegistry, RemotePlugin
 from node_agent.plugins.standin.state import SimChip, install_shims, write_state
-from node_agent.plugins.vendors import adapter_for
-from node_agent.plugins.vendors.base import ObservedDevice, ToolError, VendorAdapter, cross_check
+from node_agent.plugins.vendor_plugin import ToolSample, VendorPlugin, device_from_decl, plugins_for
+from node_agent.plugins.vendors import ADAPTERS
 
 log = structlog.get_logger("devices")
-READY = types_pb2.DEVICE_STATUS_READY
-UNHEALTHY = types_pb2.DEVICE_STATUS_UNHEALTHY
 ERROR = types_pb2.DEVICE_STATUS_ERROR
+UNAVAILABLE = types_pb2.DEVICE_STATUS_UNAVAILABLE
 
 
 def simulated_env(config: NodeConfig, state_dir: Path) -> dict[str, str]:
@@ -45,7 +54,7 @@ def simulated_env(config: NodeConfig, state_dir: Path) -> dict[str, str]:
                 bus_id=f"0000:{0x10 + i:02x}:00.0",
             )
             for i, d in enumerate(config.devices)
-            if d.device_type in ("ascend", "cambricon", "hygon", "nvidia")
+            if d.device_type in ADAPTERS
         ]
         state.parent.mkdir(parents=True, exist_ok=True)
         write_state(state, chips)
@@ -54,116 +63,126 @@ def simulated_env(config: NodeConfig, state_dir: Path) -> dict[str, str]:
     return env
 
 
-@dataclass
-class DeviceState:
-    decl: DeviceDecl
-    device: types_pb2.Device
-    observed: ObservedDevice | None = None
-
-
-def _device_from_decl(config: NodeConfig, d: DeviceDecl) -> types_pb2.Device:
-    attrs = struct_pb2.Struct()
-    attrs.update(dict(d.custom_attributes))
-    return types_pb2.Device(
-        name=config.device_name(d),
-        node=config.node_name,
-        device_type=d.device_type,
-        index=d.device_id,
-        model=d.model,
-        total_memory_mb=d.total_memory_mb,
-        hbm_memory_mb=d.hbm_memory_mb,
-        sys_memory_mb=d.sys_memory_mb,
-        fp16_tflops=d.fp16_tflops,
-        bf16_tflops=d.bf16_tflops,
-        int8_tflops=d.int8_tflops,
-        supported_dtypes=list(d.supported_dtypes),
-        p2p_enabled=d.p2p_enabled,
-        p2p_bandwidth_gbps=d.p2p_bandwidth_gbps,
-        topology_distance=list(d.topology_distance),
-        custom_attributes=attrs,
-        plugin=d.device_type,
-    )
-
-
-def _health_status(obs: ObservedDevice) -> tuple[types_pb2.DeviceStatus.ValueType, str]:
-    if obs.health == "Critical":
-        return UNHEALTHY, "vendor tool reports health Critical"
-    return READY, ("vendor tool reports health Warning" if obs.health == "Warning" else "")
-
-
-@dataclass
 class DeviceManager:
-    """Discovers and samples every declared device through its vendor adapter."""
+    """Runs the node's device plugins and keeps one Device per declaration (see the module docstring)."""
 
-    config: NodeConfig
-    env: Mapping[str, str]
-    states: list[DeviceState] = field(default_factory=list)
-    adapters: dict[str, VendorAdapter] = field(default_factory=dict)
-    tool_errors: dict[str, str] = field(default_factory=dict)
+    def __init__(self, config: NodeConfig, env: Mapping[str, str]) -> None:
+        self.config = config
+        self.env = env
+        self.plugins: dict[str, VendorPlugin] = plugins_for(config, env)
+        self.remote_types: set[str] = set()  # types served out of process (now or before it died)
+        self.registry: PluginRegistry | None = None
+        self.tool_errors: dict[str, str] = {}
+        self._devices: dict[str, types_pb2.Device] = {}
+        for d in config.devices:
+            dev = device_from_decl(config, d, d.device_type)
+            if d.device_type not in self.plugins:
+                dev.status = ERROR
+                dev.status_reason = "; ".join(str(p) for p in d.errors) or f"no plugin for {d.device_type}"
+            self._devices[dev.name] = dev
 
-    def __post_init__(self) -> None:
-        for d in self.config.devices:
-            self.states.append(DeviceState(d, _device_from_decl(self.config, d)))
-            if (
-                d.device_type in ("ascend", "cambricon", "hygon", "nvidia")
-                and d.device_type not in self.adapters
-            ):
-                self.adapters[d.device_type] = adapter_for(d.device_type, env=self.env)
+    # ------------------------------------------------------------------------------------ sampling
 
-    def _sample_blocking(self) -> None:
-        observed: dict[str, list[ObservedDevice]] = {}
-        self.tool_errors = {}
-        for dtype, adapter in self.adapters.items():
-            try:
-                observed[dtype] = adapter.discover()
-            except ToolError as e:
-                self.tool_errors[dtype] = str(e)
-        now_ms = int(time.time() * 1000)
-        for st in self.states:
-            d, dev = st.decl, st.device
-            if d.errors:
-                dev.status, dev.status_reason = ERROR, "; ".join(str(p) for p in d.errors)
-                continue
-            if d.device_type in self.tool_errors:
-                dev.status, dev.status_reason = ERROR, self.tool_errors[d.device_type]
-                continue
-            adapter = self.adapters[d.device_type]
-            obs_list = observed.get(d.device_type, [])
-            reasons = cross_check(
-                d.device_type, adapter.tool, d.device_id, d.model, d.hbm_memory_mb, obs_list
-            )
-            if reasons:
-                dev.status, dev.status_reason = ERROR, "; ".join(reasons)
-                st.observed = None
-                continue
-            obs = next(o for o in obs_list if o.index == d.device_id)
-            st.observed = obs
-            dev.status, dev.status_reason = _health_status(obs)
-            dev.telemetry.CopyFrom(
-                types_pb2.DeviceTelemetry(
-                    utilization_pct=obs.utilization_pct or 0.0,
-                    memory_used_mb=obs.memory_used_mb or 0,
-                    temperature_c=obs.temperature_c or 0.0,
-                    power_w=obs.power_w or 0.0,
-                    sampled_at_unix_ms=now_ms,
-                    health=obs.health,
-                )
-            )
+    def _active(self) -> list[VendorPlugin]:
+        return [p for t, p in self.plugins.items() if t not in self.remote_types]
 
     async def sample(self) -> None:
-        """Run the vendor tools (in a thread: they block) and update every device."""
-        await asyncio.to_thread(self._sample_blocking)
+        """Sample every in-process plugin (vendor tools run in threads) and update their devices."""
+        active = self._active()
+        await asyncio.gather(*(p.refresh() for p in active))
+        for plugin in active:
+            if plugin.device_type not in self.remote_types:  # one may have taken over meanwhile
+                self._absorb(plugin)
+
+    def sample_blocking(self) -> dict[str, ToolSample]:
+        """Sample every in-process plugin once in this thread (for `kunlun-device-probe`, which runs no
+        event loop); returns each vendor's tool run."""
+        runs: dict[str, ToolSample] = {}
+        for plugin in self._active():
+            runs[plugin.device_type] = sample = plugin.poll()
+            plugin.apply(sample)
+            self._absorb(plugin)
+        return runs
+
+    def _absorb(self, plugin: VendorPlugin) -> None:
+        error = plugin.tool_error
+        if error is None:
+            self.tool_errors.pop(plugin.device_type, None)
+        else:
+            self.tool_errors[plugin.device_type] = error
+        self._merge(plugin.device_type, plugin.name, plugin.devices())
+
+    def _merge(self, device_type: str, plugin: str, reported: list[types_pb2.Device]) -> None:
+        by_name = {d.name: d for d in reported}
+        for name, dev in self._devices.items():
+            if dev.device_type != device_type:
+                continue
+            got = by_name.pop(name, None)
+            dev.plugin = plugin
+            if got is None:
+                dev.status = ERROR
+                dev.status_reason = f"plugin {plugin} does not report {name}, declared in {self.config.path}"
+                dev.ClearField("telemetry")
+                continue
+            dev.status, dev.status_reason = got.status, got.status_reason
+            dev.telemetry.CopyFrom(got.telemetry)
+        if by_name:
+            log.warning("plugin reports undeclared devices; ignored", plugin=plugin, devices=sorted(by_name))
+
+    # ------------------------------------------------------------------------------------ reading
 
     def devices(self) -> list[types_pb2.Device]:
-        return [st.device for st in self.states]
+        return list(self._devices.values())
 
     def samples(self) -> list[agent_pb2.DeviceSample]:
         return [
             agent_pb2.DeviceSample(
-                name=st.device.name,
-                telemetry=st.device.telemetry,
-                status=st.device.status,
-                status_reason=st.device.status_reason,
+                name=dev.name, telemetry=dev.telemetry, status=dev.status, status_reason=dev.status_reason
             )
-            for st in self.states
+            for dev in self._devices.values()
         ]
+
+    def plugin(self, device_type: str) -> DevicePlugin | None:
+        """The plugin serving `device_type` now: the registered out-of-process one, else the in-process
+        one (None when the type's out-of-process plugin is gone, or none is declared)."""
+        if self.registry is not None and device_type in self.registry.plugins:
+            return self.registry.plugins[device_type]
+        return None if device_type in self.remote_types else self.plugins.get(device_type)
+
+    # ------------------------------------------------------------------------------------ out of process
+
+    async def start(self, socket_dir: str | os.PathLike[str]) -> None:
+        """Accept out-of-process plugins on `<socket_dir>/kunlun-agent.sock`. When the socket cannot be
+        created the agent runs with its in-process plugins only (and says why in its log)."""
+        registry = PluginRegistry(socket_dir, self.plugins, self._on_remote_devices, self._on_remote_gone)
+        try:
+            await registry.start()
+        except (OSError, ValueError) as e:
+            await registry.stop()
+            log.warning("out-of-process device plugins disabled", reason=str(e))
+            return
+        self.registry = registry
+
+    async def stop(self) -> None:
+        if self.registry is not None:
+            await self.registry.stop()
+            self.registry = None
+
+    def _on_remote_devices(self, plugin: RemotePlugin, devices: list[types_pb2.Device]) -> None:
+        if plugin.device_type not in self.remote_types:
+            log.info(
+                "out-of-process plugin replaces the in-process one",
+                plugin=plugin.name,
+                type=plugin.device_type,
+            )
+        self.remote_types.add(plugin.device_type)
+        self.tool_errors.pop(plugin.device_type, None)
+        self._merge(plugin.device_type, plugin.name, devices)
+
+    def _on_remote_gone(self, plugin: RemotePlugin, reason: str) -> None:
+        self.remote_types.add(plugin.device_type)
+        self.tool_errors[plugin.device_type] = reason
+        for dev in self._devices.values():
+            if dev.device_type == plugin.device_type:
+                dev.status, dev.status_reason = UNAVAILABLE, reason
+                dev.ClearField("telemetry")

@@ -105,13 +105,25 @@ def start_cluster(base: Path, **kw: object) -> LocalCluster:
     return cluster
 
 
+LOG_KEEP = Path(tempfile.gettempdir()) / "kunlun-test-logs"
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A whole local cluster (3 etcd members, 3 replicas, 2 agents) for one test module."""
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A whole local cluster (3 etcd members, 3 replicas, 2 agents) for one test module.
+
+    Its process logs are kept under $TMPDIR/kunlun-test-logs/<module>/ for post-mortems.
+    """
     base = Path(tempfile.mkdtemp(prefix="kunlun-cluster-", dir=FAST_TMP))
     c = start_cluster(base, extra_nodes=("node-x", "node-c"))
     try:
         yield c
     finally:
         c.stop()
+        keep = LOG_KEEP / request.module.__name__.rsplit(".", 1)[-1]
+        shutil.rmtree(keep, ignore_errors=True)
+        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log")]:
+            dest = keep / log.relative_to(base)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, dest)
         shutil.rmtree(base, ignore_errors=True)

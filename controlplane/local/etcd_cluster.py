@@ -72,7 +72,7 @@ def build_etcd_cluster(
     names: tuple[str, ...] = ("etcd-1", "etcd-2", "etcd-3"),
     ports: list[tuple[int, int]] | None = None,
     quota_bytes: int = 2 * 1024**3,
-    compaction_retention: str = "5m",
+    compaction_retention: str = "1h",
     heartbeat_ms: int = 100,
     election_ms: int = 1000,
 ) -> EtcdCluster:
