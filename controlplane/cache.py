@@ -25,6 +25,8 @@ class GraphCache:
         self._rev_cond = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+        self.version = 0
+        """Bumped on every change of a key the cache keeps (not on ignored keys)."""
 
     def prefix(self, prefix: str) -> list[KV]:
         return [kv for k, kv in self.kvs.items() if k.startswith(prefix)]
@@ -51,6 +53,8 @@ class GraphCache:
             if isinstance(ev, Resync):
                 self.kvs = {kv.key: kv for kv in ev.kvs if not kv.key.startswith(_IGNORED)}
                 rev = ev.revision
+                self.version += 1
+                self.changed.set()
             else:
                 rev = ev.kv.mod_revision
                 if not ev.kv.key.startswith(_IGNORED):
@@ -59,10 +63,17 @@ class GraphCache:
                     else:
                         self.kvs.pop(ev.kv.key, None)
                     self.changed.set()
+                    self.version += 1
             if rev > self.revision:
                 self.revision = rev
                 async with self._rev_cond:
                     self._rev_cond.notify_all()
+
+    async def wait_version(self, seen: int) -> int:
+        """Wait until the cache changed after version `seen`; return the new version."""
+        async with self._rev_cond:
+            await self._rev_cond.wait_for(lambda: self.version > seen)
+        return self.version
 
     async def wait_for_revision(self, revision: int, within_s: float = 10.0) -> bool:
         """Wait until the cache has applied `revision`; False on timeout."""

@@ -19,6 +19,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | scheduler/config                   | API (goal state)      | {"schema", "yaml", "by", "at_ms"}             | -                |
 | instances/<instance id>            | leader (fenced)       | Instance (proto JSON): placement, phase, why  | -                |
 | alloc/<node>/<type>:<index>        | leader (fenced)       | {"schema", "instance", "workload", "at_ms"}   | -                |
+| instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction
 that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
@@ -53,6 +54,7 @@ CORDONS = ROOT + "cordons/"
 SCHEDULER_CONFIG = ROOT + "scheduler/config"
 INSTANCES = ROOT + "instances/"
 ALLOC = ROOT + "alloc/"
+INSTANCE_STATUS = ROOT + "instance-status/"
 SCHEMA = 1
 
 
@@ -129,3 +131,7 @@ def alloc(device: str) -> str:
 
 def alloc_device(key: str) -> str:
     return key[len(ALLOC) :]
+
+
+def instance_status(iid: str) -> str:
+    return INSTANCE_STATUS + iid

@@ -47,6 +47,7 @@ class NodeSession:
     snapshot_written: dict[str, types_pb2.DeviceTelemetry] = field(default_factory=dict)
     snapshot_at: float = 0.0
     heartbeats: int = 0
+    statuses: dict[str, agent_pb2.InstanceStatus] = field(default_factory=dict)
 
 
 def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
@@ -111,6 +112,7 @@ class NodeSessions:
             connected_replica=self.settings.name,
             config_path=reg.config_path,
             updated_by=identity,
+            node_service=reg.node_service,
         )
         for d in record.devices:
             d.ClearField("telemetry")
@@ -119,6 +121,7 @@ class NodeSessions:
             prev = types_pb2.Node()
             keys.decode_message(old.value, prev)
             record.cordoned = prev.cordoned
+            record.protections.extend(prev.protections)
         alive_value = keys.encode({"replica": self.settings.name, "lease": lease, "since_ms": now_ms()})
         res = await self.store.txn(
             [],
@@ -175,6 +178,32 @@ class NodeSessions:
         except KunlunError as e:
             log.warning("could not write node state", node=session.node, error=str(e))
         return t - session.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+
+    async def report(self, session: NodeSession, report: agent_pb2.InstanceReport) -> None:
+        """Observed instance state from the agent: write what changed (status changes, not samples)."""
+        from controlplane.feeds import encode_status
+
+        for st in report.instances:
+            prev = session.statuses.get(st.instance_id)
+            if prev is not None and prev == st:
+                continue
+            try:
+                await self.store.put(keys.instance_status(st.instance_id), encode_status(session.node, st))
+                session.statuses[st.instance_id] = st
+            except KunlunError as e:
+                log.warning("could not record instance status", instance=st.instance_id, error=str(e))
+        gone = set(session.statuses) - {st.instance_id for st in report.instances}
+        for iid in gone:
+            session.statuses.pop(iid, None)
+        protections = list(report.protections)
+        if protections != list(session.record.protections) or report.note != session.record.note:
+            del session.record.protections[:]
+            session.record.protections.extend(protections)
+            session.record.note = report.note
+            try:
+                await self.store.put(keys.node(session.node), keys.encode_message(session.record))
+            except KunlunError as e:
+                log.warning("could not record node protections", node=session.node, error=str(e))
 
     async def _write_snapshot(self, session: NodeSession) -> None:
         from google.protobuf import json_format

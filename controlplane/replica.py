@@ -18,6 +18,7 @@ from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
+from controlplane.feeds import Feeds
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.nodes import NodeSessions
 from controlplane.scheduler.leader import SchedulerLoop
@@ -54,6 +55,7 @@ class Replica:
             )
         )
         self.sessions = NodeSessions(self.store, settings)
+        self.feeds = Feeds(self.store)
         self.lifecycle = NodeLifecycle(self.store)
         self.scheduler = SchedulerLoop(self.store, settings.name)
         self.elector = Elector(
@@ -125,6 +127,7 @@ class Replica:
         await self.store.connect()
         await self._wait_for_etcd()
         await self._register()
+        await self.feeds.start()
         server = grpc.aio.server(
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
@@ -135,9 +138,12 @@ class Replica:
             ClusterService(self.store, self.sessions, self.elector, self.settings.name), server
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentService(self.sessions, self.settings.name, self.settings.node_lease_ttl_s), server
+            AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s),
+            server,
         )
-        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(WorkloadService(self.store), server)
+        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(
+            WorkloadService(self.store, self.feeds, self.tls), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
@@ -165,6 +171,7 @@ class Replica:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.lease_revoke(self._lease), 2.0)
+        await self.feeds.stop()
         if self.server is not None:
             await self.server.stop(1.0)
         await self.store.close()

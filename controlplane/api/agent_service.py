@@ -1,14 +1,22 @@
-"""AgentService: the one long-lived stream per node agent (register, then heartbeats and acks)."""
+"""AgentService: the one long-lived stream per node agent.
+
+Agent -> replica: a RegisterNode, then heartbeats (with device samples) and instance reports.
+Replica -> agent: the registration ack, heartbeat acks, and the node's full assignment set
+whenever it changes.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
 from controlplane.api.auth import Ctx, abort, authorize
-from controlplane.nodes import NodeSessions, validate_registration
+from controlplane.feeds import Feeds
+from controlplane.nodes import NodeSession, NodeSessions, validate_registration
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import KunlunError
 
@@ -16,8 +24,9 @@ log = structlog.get_logger("agent-api")
 
 
 class AgentService(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, sessions: NodeSessions, replica_name: str, lease_ttl_s: int) -> None:
+    def __init__(self, sessions: NodeSessions, feeds: Feeds, replica_name: str, lease_ttl_s: int) -> None:
         self.sessions = sessions
+        self.feeds = feeds
         self.replica_name = replica_name
         self.lease_ttl_s = lease_ttl_s
 
@@ -48,13 +57,59 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         yield agent_pb2.ReplicaMessage(
             register_ack=agent_pb2.RegisterAck(replica=self.replica_name, lease_ttl_seconds=self.lease_ttl_s)
         )
+        out: asyncio.Queue[agent_pb2.ReplicaMessage | None] = asyncio.Queue()
+        reader = asyncio.create_task(
+            self._read(request_iterator, session, out), name=f"agent-reader-{session.node}"
+        )
+        pusher = asyncio.create_task(self._push_assignments(session, out), name=f"assignments-{session.node}")
+        try:
+            while True:
+                msg = await out.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            for t in (reader, pusher):
+                t.cancel()
+            for t in (reader, pusher):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await self.sessions.disconnect(session)
+
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[agent_pb2.AgentMessage],
+        session: NodeSession,
+        out: asyncio.Queue[agent_pb2.ReplicaMessage | None],
+    ) -> None:
         try:
             async for msg in request_iterator:
-                if msg.WhichOneof("kind") != "heartbeat":
-                    continue
-                if await self.sessions.heartbeat(session, msg.heartbeat):
-                    yield agent_pb2.ReplicaMessage(
-                        heartbeat_ack=agent_pb2.HeartbeatAck(seq=msg.heartbeat.seq, replica=self.replica_name)
-                    )
+                kind = msg.WhichOneof("kind")
+                if kind == "heartbeat":
+                    if await self.sessions.heartbeat(session, msg.heartbeat):
+                        out.put_nowait(
+                            agent_pb2.ReplicaMessage(
+                                heartbeat_ack=agent_pb2.HeartbeatAck(
+                                    seq=msg.heartbeat.seq, replica=self.replica_name
+                                )
+                            )
+                        )
+                elif kind == "report":
+                    await self.sessions.report(session, msg.report)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
         finally:
-            await self.sessions.disconnect(session)
+            out.put_nowait(None)
+
+    async def _push_assignments(
+        self, session: NodeSession, out: asyncio.Queue[agent_pb2.ReplicaMessage | None]
+    ) -> None:
+        last: list[agent_pb2.Assignment] | None = None
+        seen = -1
+        while True:
+            if self.feeds.cache.ready.is_set():
+                current = self.feeds.assignments_for(session.node)
+                if last is None or list(current.items) != last:
+                    last = list(current.items)
+                    out.put_nowait(agent_pb2.ReplicaMessage(assignments=current))
+            seen = await self.feeds.cache.wait_version(seen if seen >= 0 else self.feeds.cache.version)

@@ -34,6 +34,8 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.WorkloadService/CordonNode": WRITERS,
     "/kunlun.v1.WorkloadService/GetSchedulerConfig": READERS,
     "/kunlun.v1.WorkloadService/SetSchedulerConfig": WRITERS,
+    "/kunlun.v1.WorkloadService/Logs": READERS,
+    "/kunlun.v1.WorkloadService/WatchEndpoints": ("gateway", "operator", "viewer"),
 }
 
 

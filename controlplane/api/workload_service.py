@@ -2,31 +2,42 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
-from kunlun_common.api import workload_pb2, workload_pb2_grpc
+from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.tls import TlsMaterial, channel_credentials
 
 SVC = "/kunlun.v1.WorkloadService/"
 
 
 class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
-    def __init__(self, store: EtcdStore) -> None:
+    def __init__(self, store: EtcdStore, feeds: Feeds, tls: TlsMaterial) -> None:
         self.store = store
+        self.feeds = feeds
+        self.tls = tls
 
     async def _instances(self) -> dict[str, list[workload_pb2.Instance]]:
-        kvs, _ = await self.store.get_prefix(keys.INSTANCES)
+        (kvs, _), (status_kvs, _) = await asyncio.gather(
+            self.store.get_prefix(keys.INSTANCES), self.store.get_prefix(keys.INSTANCE_STATUS)
+        )
+        statuses = {keys.last_segment(kv.key): decode_status(kv.value) for kv in status_kvs}
         out: dict[str, list[workload_pb2.Instance]] = {}
         for kv in kvs:
             inst = records.decode_instance(kv)
+            if inst.id in statuses:
+                overlay(inst, *statuses[inst.id])
             out.setdefault(inst.workload_id, []).append(inst)
         for v in out.values():
             v.sort(key=lambda i: i.ordinal)
@@ -161,3 +172,62 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
             keys.encode({"yaml": text, "by": str(who), "at_ms": int(time.time() * 1000)}),
         )
         return workload_pb2.SchedulerConfigText(yaml=text)
+
+    async def WatchEndpoints(
+        self, request: workload_pb2.WatchEndpointsRequest, context: Ctx
+    ) -> AsyncIterator[workload_pb2.EndpointsSnapshot]:
+        """Push the routable endpoints on every change (full snapshot; no polling)."""
+        await authorize(context, SVC + "WatchEndpoints")
+        last: list[workload_pb2.Endpoint] | None = None
+        seen = self.feeds.cache.version
+        while True:
+            snap = self.feeds.endpoints()
+            if last is None or list(snap.endpoints) != last:
+                last = list(snap.endpoints)
+                yield snap
+            seen = await self.feeds.cache.wait_version(seen)
+
+    async def Logs(
+        self, request: workload_pb2.WorkloadLogsRequest, context: Ctx
+    ) -> AsyncIterator[workload_pb2.WorkloadLogChunk]:
+        """Stream an instance's logs from its node (the agent's NodeService), through this replica."""
+        await authorize(context, SVC + "Logs")
+        try:
+            w, _ = await records.resolve(self.store, request.name)
+        except Exception as e:
+            await self._fail(context, e)
+            raise
+        insts = (await self._instances()).get(w.id, [])
+        inst = next((i for i in insts if i.ordinal == request.instance), None)
+        if inst is None:
+            await abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"workload {request.name} has no instance {request.instance}",
+            )
+        if not inst.node:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"instance {inst.id} is not placed on a node yet ({inst.reason})",
+            )
+        address = self.feeds.node_service(inst.node)
+        if not address:
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"node {inst.node} does not serve logs (agent too old or not connected)",
+            )
+        creds = channel_credentials(self.tls)
+        async with grpc.aio.secure_channel(
+            address, creds, options=[("grpc.ssl_target_name_override", inst.node)]
+        ) as ch:
+            stub = agent_pb2_grpc.NodeServiceStub(ch)
+            call = stub.Logs(
+                agent_pb2.LogsRequest(instance_id=inst.id, tail=request.tail, follow=request.follow)
+            )
+            try:
+                async for chunk in call:
+                    yield workload_pb2.WorkloadLogChunk(lines=list(chunk.lines))
+            except grpc.aio.AioRpcError as e:
+                await abort(context, e.code(), f"node {inst.node}: {e.details()}")

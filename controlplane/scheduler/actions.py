@@ -85,7 +85,9 @@ def _free_allocs(
 def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple[str, KV]]) -> Unit:
     cmps, ops = _free_allocs(inst, allocs)
     return Unit(
-        f"remove {inst.id}", [Compare.unchanged(kv.key, kv.mod_revision), *cmps], [DeleteOp(kv.key), *ops]
+        f"remove {inst.id}",
+        [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
+        [DeleteOp(kv.key), DeleteOp(keys.instance_status(inst.id)), *ops],
     )
 
 
@@ -104,7 +106,7 @@ def release_instance(
     return Unit(
         f"release {inst.id}: {reason}",
         [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
-        [PutOp(kv.key, keys.encode_message(new)), *ops],
+        [PutOp(kv.key, keys.encode_message(new)), DeleteOp(keys.instance_status(inst.id)), *ops],
     )
 
 

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from kunlun_common.api import types_pb2 as _types_pb2
+from kunlun_common.api import workload_pb2 as _workload_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -20,6 +21,172 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class Assignment(_message.Message):
+    """One instance the scheduler assigned to this node (desired state, sent by the replica)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    WORKLOAD_ID_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    workload_id: _builtins.str
+    generation: _builtins.int
+    @_builtins.property
+    def spec(self) -> _workload_pb2.WorkloadSpec: ...
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """`<node>/<type>:<index>` of every device it holds."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        workload_id: _builtins.str = ...,
+        spec: _workload_pb2.WorkloadSpec | None = ...,
+        devices: _abc.Iterable[_builtins.str] | None = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "generation", b"generation", "instance_id", b"instance_id", "spec", b"spec", "workload_id", b"workload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
+
+@_typing.final
+class Assignments(_message.Message):
+    """The full set of instances that must run on the node; sent on registration and on every change."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """etcd revision the set was read at (increasing)."""
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Assignment]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___Assignment] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Assignments: _TypeAlias = Assignments  # noqa: Y015
+
+@_typing.final
+class InstanceStatus(_message.Message):
+    """What the node observes of one instance (written into the graph by the replica)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OOM_KILLED_FIELD_NUMBER: _builtins.int
+    STARTED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    READY_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    ENV_NAMES_FIELD_NUMBER: _builtins.int
+    DEVICE_NODES_FIELD_NUMBER: _builtins.int
+    PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
+    WORKLOAD_ID_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    phase: _builtins.str
+    """"Starting", "Running", "Failed", "Stopped", "CrashLoopBackOff"."""
+    reason: _builtins.str
+    endpoint: _builtins.str
+    """host:port where the engine serves."""
+    pid: _builtins.int
+    restarts: _builtins.int
+    exit_code: _builtins.int
+    oom_killed: _builtins.bool
+    started_at_unix_ms: _builtins.int
+    ready_at_unix_ms: _builtins.int
+    prepare_seconds: _builtins.float
+    first_token_ms: _builtins.float
+    workload_id: _builtins.str
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The exact launch plan: argv, the names of the env variables set, and the device nodes."""
+
+    @_builtins.property
+    def env_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def device_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        restarts: _builtins.int = ...,
+        exit_code: _builtins.int = ...,
+        oom_killed: _builtins.bool = ...,
+        started_at_unix_ms: _builtins.int = ...,
+        ready_at_unix_ms: _builtins.int = ...,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        env_names: _abc.Iterable[_builtins.str] | None = ...,
+        device_nodes: _abc.Iterable[_builtins.str] | None = ...,
+        prepare_seconds: _builtins.float = ...,
+        first_token_ms: _builtins.float = ...,
+        workload_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "device_nodes", b"device_nodes", "endpoint", b"endpoint", "env_names", b"env_names", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "instance_id", b"instance_id", "oom_killed", b"oom_killed", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "started_at_unix_ms", b"started_at_unix_ms", "workload_id", b"workload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceStatus: _TypeAlias = InstanceStatus  # noqa: Y015
+
+@_typing.final
+class InstanceReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    PROTECTIONS_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    note: _builtins.str
+    """Set once after a reconnect when engines were stopped because no replica was reachable."""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceStatus]: ...
+    @_builtins.property
+    def protections(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Protections active on the node (cgroup memory/pids/cpu, pid/mount namespaces, private dev...)."""
+
+    def __init__(
+        self,
+        *,
+        instances: _abc.Iterable[Global___InstanceStatus] | None = ...,
+        protections: _abc.Iterable[_builtins.str] | None = ...,
+        note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "note", b"note", "protections", b"protections"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InstanceReport: _TypeAlias = InstanceReport  # noqa: Y015
+
+@_typing.final
 class RegisterNode(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -30,6 +197,7 @@ class RegisterNode(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     AGENT_PID_FIELD_NUMBER: _builtins.int
     CONFIG_PATH_FIELD_NUMBER: _builtins.int
+    NODE_SERVICE_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Must equal the node named by the agent's certificate."""
     address: _builtins.str
@@ -37,6 +205,8 @@ class RegisterNode(_message.Message):
     agent_version: _builtins.str
     agent_pid: _builtins.int
     config_path: _builtins.str
+    node_service: _builtins.str
+    """host:port of the agent's own NodeService (logs), reachable by replicas."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -49,10 +219,11 @@ class RegisterNode(_message.Message):
         agent_version: _builtins.str = ...,
         agent_pid: _builtins.int = ...,
         config_path: _builtins.str = ...,
+        node_service: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "node", b"node", "simulated", b"simulated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "node", b"node", "node_service", b"node_service", "simulated", b"simulated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -119,21 +290,25 @@ class AgentMessage(_message.Message):
 
     REGISTER_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register(self) -> Global___RegisterNode: ...
     @_builtins.property
     def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def report(self) -> Global___InstanceReport: ...
     def __init__(
         self,
         *,
         register: Global___RegisterNode | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        report: Global___InstanceReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "register", b"register"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "register", b"register", "report", b"report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "register", b"register"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "kind", b"kind", "register", b"register", "report", b"report"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register", "heartbeat", "report"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -189,22 +364,77 @@ class ReplicaMessage(_message.Message):
 
     REGISTER_ACK_FIELD_NUMBER: _builtins.int
     HEARTBEAT_ACK_FIELD_NUMBER: _builtins.int
+    ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register_ack(self) -> Global___RegisterAck: ...
     @_builtins.property
     def heartbeat_ack(self) -> Global___HeartbeatAck: ...
+    @_builtins.property
+    def assignments(self) -> Global___Assignments: ...
     def __init__(
         self,
         *,
         register_ack: Global___RegisterAck | None = ...,
         heartbeat_ack: Global___HeartbeatAck | None = ...,
+        assignments: Global___Assignments | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "assignments"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___ReplicaMessage: _TypeAlias = ReplicaMessage  # noqa: Y015
+
+@_typing.final
+class LogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TAIL_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    tail: _builtins.int
+    """Last N lines first (0: all kept)."""
+    follow: _builtins.bool
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        tail: _builtins.int = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "instance_id", b"instance_id", "tail", b"tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogsRequest: _TypeAlias = LogsRequest  # noqa: Y015
+
+@_typing.final
+class LogChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINES_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Whole lines, in order."""
+
+    def __init__(
+        self,
+        *,
+        lines: _abc.Iterable[_builtins.str] | None = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "lines", b"lines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogChunk: _TypeAlias = LogChunk  # noqa: Y015

@@ -25,6 +25,81 @@ if _version_not_supported:
     )
 
 
+class NodeServiceStub:
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Logs = channel.unary_stream(
+                '/kunlun.v1.NodeService/Logs',
+                request_serializer=kunlun_dot_v1_dot_agent__pb2.LogsRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_agent__pb2.LogChunk.FromString,
+                _registered_method=True)
+
+
+class NodeServiceServicer:
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself.
+    """
+
+    def Logs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=kunlun_dot_v1_dot_agent__pb2.LogsRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_agent__pb2.LogChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kunlun.v1.NodeService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kunlun.v1.NodeService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NodeService:
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself.
+    """
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kunlun.v1.NodeService/Logs',
+            kunlun_dot_v1_dot_agent__pb2.LogsRequest.SerializeToString,
+            kunlun_dot_v1_dot_agent__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class AgentServiceStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -26,6 +26,34 @@ class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ig
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
+class NodeServiceStub:
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself."""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> NodeServiceAsyncStub: ...
+    Logs: _grpc.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]
+
+@_typing.type_check_only
+class NodeServiceAsyncStub(NodeServiceStub):
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself."""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Logs: _aio.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]  # type: ignore[assignment]
+
+class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself."""
+
+    @_abc_1.abstractmethod
+    def Logs(
+        self,
+        request: _agent_pb2.LogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_pb2.LogChunk], _abc.AsyncIterator[_agent_pb2.LogChunk]]: ...
+
+def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
 class AgentServiceStub:
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...

@@ -240,6 +240,15 @@ class Instance(_message.Message):
     ENQUEUED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
     ENDPOINT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    READY_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    LAUNCH_COMMAND_FIELD_NUMBER: _builtins.int
+    LAUNCH_ENV_NAMES_FIELD_NUMBER: _builtins.int
+    LAUNCH_DEVICE_NODES_FIELD_NUMBER: _builtins.int
+    PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     workload_id: _builtins.str
     workload: _builtins.str
@@ -254,6 +263,13 @@ class Instance(_message.Message):
     endpoint: _builtins.str
     """host:port where the engine serves (set by the node agent)."""
     generation: _builtins.int
+    pid: _builtins.int
+    """Observed on the node (from the agent's reports)."""
+    restarts: _builtins.int
+    exit_code: _builtins.int
+    ready_at_unix_ms: _builtins.int
+    prepare_seconds: _builtins.float
+    first_token_ms: _builtins.float
     @_builtins.property
     def target_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """`<node>/<type>:<index>` of every device it holds."""
@@ -264,6 +280,12 @@ class Instance(_message.Message):
 
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseEvent]: ...
+    @_builtins.property
+    def launch_command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def launch_env_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def launch_device_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -281,10 +303,19 @@ class Instance(_message.Message):
         enqueued_at_unix_ms: _builtins.int = ...,
         endpoint: _builtins.str = ...,
         generation: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        restarts: _builtins.int = ...,
+        exit_code: _builtins.int = ...,
+        ready_at_unix_ms: _builtins.int = ...,
+        launch_command: _abc.Iterable[_builtins.str] | None = ...,
+        launch_env_names: _abc.Iterable[_builtins.str] | None = ...,
+        launch_device_nodes: _abc.Iterable[_builtins.str] | None = ...,
+        prepare_seconds: _builtins.float = ...,
+        first_token_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "generation", b"generation", "history", b"history", "id", b"id", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "reason", b"reason", "seq", b"seq", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "seq", b"seq", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -563,3 +594,127 @@ class SchedulerConfigText(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SchedulerConfigText: _TypeAlias = SchedulerConfigText  # noqa: Y015
+
+@_typing.final
+class WorkloadLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    TAIL_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Workload name or id."""
+    instance: _builtins.int
+    """Instance ordinal (default 0)."""
+    tail: _builtins.int
+    follow: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        instance: _builtins.int = ...,
+        tail: _builtins.int = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "instance", b"instance", "name", b"name", "tail", b"tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkloadLogsRequest: _TypeAlias = WorkloadLogsRequest  # noqa: Y015
+
+@_typing.final
+class WorkloadLogChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        lines: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines", b"lines"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkloadLogChunk: _TypeAlias = WorkloadLogChunk  # noqa: Y015
+
+@_typing.final
+class Endpoint(_message.Message):
+    """One routable backend of a workload."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    address: _builtins.str
+    workload: _builtins.str
+    model: _builtins.str
+    """Model version served ("" for the baseline; the canary's model otherwise)."""
+    node: _builtins.str
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        workload: _builtins.str = ...,
+        model: _builtins.str = ...,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "model", b"model", "node", b"node", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
+
+@_typing.final
+class EndpointsSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
+        """Every Running instance with an endpoint, all workloads."""
+
+    def __init__(
+        self,
+        *,
+        endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndpointsSnapshot: _TypeAlias = EndpointsSnapshot  # noqa: Y015
+
+@_typing.final
+class WatchEndpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEndpointsRequest: _TypeAlias = WatchEndpointsRequest  # noqa: Y015

@@ -34,6 +34,16 @@ class WorkloadServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Logs = channel.unary_stream(
+                '/kunlun.v1.WorkloadService/Logs',
+                request_serializer=kunlun_dot_v1_dot_workload__pb2.WorkloadLogsRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_workload__pb2.WorkloadLogChunk.FromString,
+                _registered_method=True)
+        self.WatchEndpoints = channel.unary_stream(
+                '/kunlun.v1.WorkloadService/WatchEndpoints',
+                request_serializer=kunlun_dot_v1_dot_workload__pb2.WatchEndpointsRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_workload__pb2.EndpointsSnapshot.FromString,
+                _registered_method=True)
         self.SubmitWorkload = channel.unary_unary(
                 '/kunlun.v1.WorkloadService/SubmitWorkload',
                 request_serializer=kunlun_dot_v1_dot_workload__pb2.SubmitWorkloadRequest.SerializeToString,
@@ -78,6 +88,19 @@ class WorkloadServiceStub:
 
 class WorkloadServiceServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Logs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEndpoints(self, request, context):
+        """Gateways: the routable endpoints, pushed on every change (full snapshot each time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def SubmitWorkload(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -130,6 +153,16 @@ class WorkloadServiceServicer:
 
 def add_WorkloadServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=kunlun_dot_v1_dot_workload__pb2.WorkloadLogsRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_workload__pb2.WorkloadLogChunk.SerializeToString,
+            ),
+            'WatchEndpoints': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEndpoints,
+                    request_deserializer=kunlun_dot_v1_dot_workload__pb2.WatchEndpointsRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_workload__pb2.EndpointsSnapshot.SerializeToString,
+            ),
             'SubmitWorkload': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitWorkload,
                     request_deserializer=kunlun_dot_v1_dot_workload__pb2.SubmitWorkloadRequest.FromString,
@@ -180,6 +213,60 @@ def add_WorkloadServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkloadService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kunlun.v1.WorkloadService/Logs',
+            kunlun_dot_v1_dot_workload__pb2.WorkloadLogsRequest.SerializeToString,
+            kunlun_dot_v1_dot_workload__pb2.WorkloadLogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kunlun.v1.WorkloadService/WatchEndpoints',
+            kunlun_dot_v1_dot_workload__pb2.WatchEndpointsRequest.SerializeToString,
+            kunlun_dot_v1_dot_workload__pb2.EndpointsSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def SubmitWorkload(request,

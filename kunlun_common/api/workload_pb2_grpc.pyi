@@ -31,6 +31,9 @@ class WorkloadServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkloadServiceAsyncStub: ...
+    Logs: _grpc.UnaryStreamMultiCallable[_workload_pb2.WorkloadLogsRequest, _workload_pb2.WorkloadLogChunk]
+    WatchEndpoints: _grpc.UnaryStreamMultiCallable[_workload_pb2.WatchEndpointsRequest, _workload_pb2.EndpointsSnapshot]
+    """Gateways: the routable endpoints, pushed on every change (full snapshot each time)."""
     SubmitWorkload: _grpc.UnaryUnaryMultiCallable[_workload_pb2.SubmitWorkloadRequest, _workload_pb2.SubmitWorkloadResponse]
     ListWorkloads: _grpc.UnaryUnaryMultiCallable[_workload_pb2.ListWorkloadsRequest, _workload_pb2.ListWorkloadsResponse]
     GetWorkload: _grpc.UnaryUnaryMultiCallable[_workload_pb2.GetWorkloadRequest, _workload_pb2.WorkloadSummary]
@@ -43,6 +46,9 @@ class WorkloadServiceStub:
 @_typing.type_check_only
 class WorkloadServiceAsyncStub(WorkloadServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
+    Logs: _aio.UnaryStreamMultiCallable[_workload_pb2.WorkloadLogsRequest, _workload_pb2.WorkloadLogChunk]  # type: ignore[assignment]
+    WatchEndpoints: _aio.UnaryStreamMultiCallable[_workload_pb2.WatchEndpointsRequest, _workload_pb2.EndpointsSnapshot]  # type: ignore[assignment]
+    """Gateways: the routable endpoints, pushed on every change (full snapshot each time)."""
     SubmitWorkload: _aio.UnaryUnaryMultiCallable[_workload_pb2.SubmitWorkloadRequest, _workload_pb2.SubmitWorkloadResponse]  # type: ignore[assignment]
     ListWorkloads: _aio.UnaryUnaryMultiCallable[_workload_pb2.ListWorkloadsRequest, _workload_pb2.ListWorkloadsResponse]  # type: ignore[assignment]
     GetWorkload: _aio.UnaryUnaryMultiCallable[_workload_pb2.GetWorkloadRequest, _workload_pb2.WorkloadSummary]  # type: ignore[assignment]
@@ -53,6 +59,21 @@ class WorkloadServiceAsyncStub(WorkloadServiceStub):
     SetSchedulerConfig: _aio.UnaryUnaryMultiCallable[_workload_pb2.SchedulerConfigText, _workload_pb2.SchedulerConfigText]  # type: ignore[assignment]
 
 class WorkloadServiceServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def Logs(
+        self,
+        request: _workload_pb2.WorkloadLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_workload_pb2.WorkloadLogChunk], _abc.AsyncIterator[_workload_pb2.WorkloadLogChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def WatchEndpoints(
+        self,
+        request: _workload_pb2.WatchEndpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_workload_pb2.EndpointsSnapshot], _abc.AsyncIterator[_workload_pb2.EndpointsSnapshot]]:
+        """Gateways: the routable endpoints, pushed on every change (full snapshot each time)."""
+
     @_abc_1.abstractmethod
     def SubmitWorkload(
         self,
