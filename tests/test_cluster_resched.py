@@ -59,10 +59,12 @@ def test_dead_node_instances_move_after_grace_and_nothing_runs_twice(cluster: Lo
 
 
 def test_new_leader_finishes_a_queue_of_50(cluster: LocalCluster) -> None:
+    leader = cluster.leader()
     for i in range(50):
         submit(cluster, name=f"q{i:02d}", model="m", priority=("high", "normal", "low")[i % 3])
-    leader = cluster.leader()
-    cluster.replicas[leader].kill()
+        if i == 24:  # half the queue is in while the leader is placing it: kill it mid-way
+            cluster.replicas[leader].kill()
+    wait_for(lambda: cluster.leader() not in ("", leader), 30, "a new leader")
 
     def done() -> bool:
         ws = workloads(cluster)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from chaos.invariants import double_allocations
+from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.local.cluster import LocalCluster
 from controlplane.local.procs import wait_for
 from kunlun_common.api import workload_pb2
+from kunlun_common.pki import paths_for
 from tests.sched_helpers import (
     alloc_history,
     allocations,
@@ -191,3 +197,88 @@ def test_no_device_is_ever_held_twice(cluster: LocalCluster) -> None:
     wait_for(lambda: sum(1 for w in workloads(cluster) if w.phase == "Scheduled") == 5, 60, "the rest placed")
     history = alloc_history(cluster)
     assert history and double_allocations(history) == []
+
+
+def _cli(cluster: LocalCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    p = paths_for(cluster.cert_dir, "operator", "admin")
+    cfg = tmp_path / "client.yaml"
+    if not cfg.exists():
+        write_client_config(cfg, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"KUNLUN_CONFIG": str(cfg), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_cli_workload_lifecycle(cluster: LocalCluster, tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: chat\nmodel: qwen2-0.5b\nreplicas: 2\npreferred_device_types: [ascend]\npriority: high\n"
+    )
+    r = _cli(cluster, tmp_path, "workload", "submit", "-f", str(spec), "-o", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["result"] == "created"
+    r = _cli(cluster, tmp_path, "workload", "submit", "-f", str(spec))
+    assert "unchanged" in r.stdout
+    wait_for(lambda: placed(cluster, "chat", 2), 30, "placement")
+    r = _cli(cluster, tmp_path, "workload", "list", "-o", "json")
+    item = json.loads(r.stdout)["items"][0]
+    assert item["name"] == "chat" and item["phase"] == "Scheduled" and item["replicas"] == 2
+    assert len(item["target"]) == 2 and all(t.startswith("node-a/ascend:") for t in item["target"])
+    r = _cli(cluster, tmp_path, "workload", "list")
+    assert r.stdout.split("\n")[0].split() == ["ID", "NAME", "PHASE", "INSTANCES", "TARGET", "AGE"]
+    r = _cli(cluster, tmp_path, "workload", "describe", "chat")
+    assert (
+        "target_devices: [node-a/ascend:" in r.stdout
+        and "Scheduled" in r.stdout
+        and "by scheduler@" in r.stdout
+    )
+    assert "Submitted  by operator:admin" in r.stdout
+    r = _cli(cluster, tmp_path, "workload", "scale", "chat", "1")
+    assert r.returncode == 0
+    wait_for(lambda: len(get(cluster, "chat").instances) == 1, 30, "scaled down")
+    r = _cli(cluster, tmp_path, "workload", "delete", "chat", "--wait")
+    assert r.returncode == 0 and "deleted" in r.stdout
+    r = _cli(cluster, tmp_path, "workload", "describe", "chat")
+    assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_cli_refuses_invalid_specs_and_configs_whole(cluster: LocalCluster, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: Bad_Name\nmodel: m\nquantization: int3\npriority: urgent\ndevices_per_instance: 0\nreplica: 2\n"
+    )
+    r = _cli(cluster, tmp_path, "workload", "submit", "-f", str(bad))
+    assert r.returncode == 1 and "replica: unknown field; did you mean 'replicas'?" in r.stderr
+    bad.write_text("name: Bad_Name\nmodel: m\nquantization: int3\npriority: urgent\n")
+    r = _cli(cluster, tmp_path, "workload", "submit", "-f", str(bad))
+    assert r.returncode == 1
+    for field in ("name:", "quantization:", "priority:"):
+        assert field in r.stderr, r.stderr
+    assert workloads(cluster) == []
+    cfg = tmp_path / "sched.yaml"
+    cfg.write_text("policy: binpack\ntemperature_limit_c: 500\npolicyy: x\n")
+    r = _cli(cluster, tmp_path, "scheduler", "config", "set", "-f", str(cfg))
+    assert r.returncode == 1 and "temperature_limit_c" in r.stderr and "policyy" in r.stderr
+    r = _cli(cluster, tmp_path, "scheduler", "config", "get", "-o", "json")
+    assert json.loads(r.stdout)["policy"] == "spread"
+    cfg.write_text("policy: binpack\n")
+    assert _cli(cluster, tmp_path, "scheduler", "config", "set", "-f", str(cfg)).returncode == 0
+    assert (
+        json.loads(_cli(cluster, tmp_path, "scheduler", "config", "get", "-o", "json").stdout)["policy"]
+        == "binpack"
+    )
+
+
+def test_cli_drain_reports_what_cannot_move(cluster: LocalCluster, tmp_path: Path) -> None:
+    submit(cluster, name="stuck", model="m", pin="node-b/nvidia:0")
+    wait_for(lambda: placed(cluster, "stuck"), 30, "placement")
+    r = _cli(cluster, tmp_path, "node", "drain", "node-b", "--wait", "30", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["cordoned"] is True and out["draining"] is True
+    assert [c["workload"] for c in out["cannot_move"]] == ["stuck"]
+    assert out["cannot_move"][0]["reason"].startswith("DrainBlocked")

@@ -33,6 +33,7 @@ from kunlun_common.errors import TemporaryError
 from kunlun_common.names import DEVICE_TYPES
 
 log = structlog.get_logger("scheduler")
+COMMITS_IN_FLIGHT = 8
 
 
 def _blocked_reason(reasons: dict[str, str]) -> str:
@@ -265,25 +266,44 @@ class SchedulerLoop:
         return out
 
     async def commit(self, fence: Fence, units: list[Unit], kind: str, t0: float) -> int:
-        last = 0
-        for batch in pack(units):
+        """Commit the units in packed, fenced transactions, up to `COMMITS_IN_FLIGHT` at once.
+
+        The units of one plan never touch the same key (distinct instances and devices), so their
+        transactions are independent; a rejected or failed one is simply recomputed next tick.
+        Returns the highest committed revision (0 if none), which the caller waits for in its cache.
+        """
+        gate = asyncio.Semaphore(COMMITS_IN_FLIGHT)
+        revisions: list[int] = []
+        rejected: list[tuple[list[Unit], list[Compare]]] = []
+
+        async def one(batch: list[Unit]) -> None:
             compares = [c for u in batch for c in u.compares]
             ops = [o for u in batch for o in u.ops]
-            try:
-                res = await fence.txn(compares, ops)
-            except TemporaryError as e:
-                log.warning("commit failed; will recompute", kind=kind, error=str(e))
-                return last
-            if not res.succeeded:
-                log.info(
-                    "commit rejected (state changed under the plan); recomputing",
-                    kind=kind,
-                    units=len(batch),
-                    first=batch[0].what,
-                    failed=await self._explain(compares),
-                )
-                return last or res.revision
-            last = res.revision
+            async with gate:
+                if fence.lost.is_set():
+                    return
+                try:
+                    res = await fence.txn(compares, ops)
+                except TemporaryError as e:
+                    log.warning("commit failed; will recompute", kind=kind, error=str(e))
+                    return
+            if res.succeeded:
+                revisions.append(res.revision)
+            else:
+                revisions.append(res.revision)
+                rejected.append((batch, compares))
+
+        await asyncio.gather(*(one(b) for b in pack(units)))
+        if rejected:
+            batch, compares = rejected[0]
+            log.info(
+                "commit rejected (state changed under the plan); recomputing",
+                kind=kind,
+                rejected=len(rejected),
+                first=batch[0].what,
+                failed=await self._explain(compares),
+            )
+        last = max(revisions, default=0)
         if kind == "lifecycle":
             log.info("instances reconciled", changes=len(units), first=units[0].what, revision=last)
         return last
