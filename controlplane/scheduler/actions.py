@@ -37,18 +37,29 @@ def event(inst: workload_pb2.Instance, phase: str, by: str, reason: str = "") ->
     del inst.history[:-50]  # bounded history
 
 
-def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1) -> list[list[Unit]]:
-    """Greedy packing of units into transactions within etcd's per-list limit."""
+MAX_TXN_BYTES = 512 * 1024  # well under etcd's default --max-request-bytes (1.5 MiB)
+
+
+def _size(u: Unit) -> int:
+    return sum(len(o.key) + len(getattr(o, "value", b"")) + 16 for o in u.ops) + 48 * len(u.compares)
+
+
+def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_TXN_BYTES) -> list[list[Unit]]:
+    """Greedy packing of units into transactions within etcd's per-list limit and request size."""
     batches: list[list[Unit]] = []
     cur: list[Unit] = []
-    n_cmp = n_ops = 0
+    n_cmp = n_ops = n_bytes = 0
     for u in units:
-        if cur and (n_cmp + len(u.compares) > limit or n_ops + len(u.ops) > limit):
+        size = _size(u)
+        if cur and (
+            n_cmp + len(u.compares) > limit or n_ops + len(u.ops) > limit or n_bytes + size > max_bytes
+        ):
             batches.append(cur)
-            cur, n_cmp, n_ops = [], 0, 0
+            cur, n_cmp, n_ops, n_bytes = [], 0, 0, 0
         cur.append(u)
         n_cmp += len(u.compares)
         n_ops += len(u.ops)
+        n_bytes += size
     if cur:
         batches.append(cur)
     return batches

@@ -33,13 +33,32 @@ from kunlun_common.errors import TemporaryError
 from kunlun_common.names import DEVICE_TYPES
 
 log = structlog.get_logger("scheduler")
-COMMITS_IN_FLIGHT = 8
+COMMITS_IN_FLIGHT = 16
+MAX_REASON_NODES = 32
+MAX_NOTES_PER_TICK = 512  # explanations of unplaced instances written per tick (placements go first)
 
 
 def _blocked_reason(reasons: dict[str, str]) -> str:
     if reasons and all(r == "NoFreeDevice" for r in reasons.values()):
         return "NoFreeDevice"
-    return "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items())) or "no node"
+    return "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items())[:MAX_REASON_NODES]) or "no node"
+
+
+def bounded_reasons(reasons: dict[str, str]) -> dict[str, str]:
+    """Per-node reasons, bounded for big clusters: every node while there are few; else the first
+    nodes of each distinct reason plus one `(N more nodes)` entry per reason, so a record stays small."""
+    if len(reasons) <= MAX_REASON_NODES:
+        return reasons
+    by_reason: dict[str, list[str]] = {}
+    for node, why in sorted(reasons.items()):
+        by_reason.setdefault(why, []).append(node)
+    out: dict[str, str] = {}
+    for why, nodes in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        for node in nodes[:3]:
+            out[node] = why
+        if len(nodes) > 3:
+            out[f"({len(nodes) - 3} more nodes)"] = why
+    return out
 
 
 class SchedulerLoop:
@@ -184,7 +203,7 @@ class SchedulerLoop:
             )
         for u in plan.unplaced:
             inst, kv = st.instances[u.instance_id]
-            why = f"DrainBlocked: cannot move off {inst.node}: {_blocked_reason(dict(u.reasons))}"
+            why = f"DrainBlocked: cannot move off {inst.node}: {_blocked_reason(bounded_reasons(dict(u.reasons)))}"
             unit = note_unplaced(inst, kv, dict(inst.unplaced_reasons), why)
             if unit:
                 units.append(unit)
@@ -213,12 +232,16 @@ class SchedulerLoop:
                 continue  # placed on the next tick, once the victims' devices are free
             units.append(self._place(st, p))
             placed += 1
-        for u in plan.unplaced:
+        noted = 0
+        for u in plan.unplaced:  # queue order: the head of the queue is explained first
+            if noted >= MAX_NOTES_PER_TICK:
+                break
             inst, kv = st.instances[u.instance_id]
-            reasons = dict(u.reasons)
+            reasons = bounded_reasons(dict(u.reasons))
             unit = note_unplaced(inst, kv, reasons, _blocked_reason(reasons))
             if unit:
                 units.append(unit)
+                noted += 1
         return units, placed, len(plan.unplaced), len(evicted)
 
     def _place(self, st: ClusterState, p: Placement) -> Unit:
