@@ -169,3 +169,105 @@ def test_agent_certificate_decides_the_node(cluster: LocalCluster, tmp_path: Pat
         ]
     )
     assert r.returncode == 2 and "node-zz" in r.stderr
+
+
+def _device(cluster: LocalCluster, name: str) -> types_pb2.Device:
+    return next(d for n in nodes(cluster).values() for d in n.devices if d.name == name)
+
+
+def test_health_flap_reaches_device_list_both_ways(cluster: LocalCluster) -> None:
+    from node_agent.plugins.standin.state import update_chip
+
+    state = cluster.base / "agents" / "node-a" / "sim-state.json"
+    wait_for(
+        lambda: _device(cluster, "node-a/ascend:1").status == types_pb2.DEVICE_STATUS_READY,
+        30,
+        "ascend:1 Ready",
+    )
+    update_chip(state, "ascend", 1, health="Critical")
+    wait_for(
+        lambda: _device(cluster, "node-a/ascend:1").status == types_pb2.DEVICE_STATUS_UNHEALTHY,
+        30,
+        "ascend:1 Unhealthy",
+    )
+    assert "Critical" in _device(cluster, "node-a/ascend:1").status_reason
+    update_chip(state, "ascend", 1, health="OK")
+    wait_for(
+        lambda: _device(cluster, "node-a/ascend:1").status == types_pb2.DEVICE_STATUS_READY,
+        30,
+        "ascend:1 Ready again",
+    )
+    update_chip(state, "ascend", 2, present=False)
+    wait_for(
+        lambda: _device(cluster, "node-a/ascend:2").status == types_pb2.DEVICE_STATUS_ERROR,
+        30,
+        "ascend:2 Error",
+    )
+    assert "declared but not found by npu-smi" in _device(cluster, "node-a/ascend:2").status_reason
+    update_chip(state, "ascend", 2, present=True)
+    wait_for(
+        lambda: _device(cluster, "node-a/ascend:2").status == types_pb2.DEVICE_STATUS_READY,
+        30,
+        "ascend:2 back",
+    )
+
+
+def test_wrong_declaration_is_shown_as_error_while_the_rest_serve(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "node-c.yaml"
+    cfg.write_text(
+        "schema_version: 1\n"
+        "node: {name: node-c, address: 127.0.0.1, simulated: true}\n"
+        "devices:\n"
+        "  - {device_type: ascend, device_id: 0, model: 910B, hbm_memory_mb: 32768, supported_dtypes: [fp16],"
+        " topology_distance: [0, 1, 2, 2]}\n"
+        "  - {device_type: ascend, device_id: 1, model: 910B, hbm_memory_mb: 32768, supported_dtypes: [fp16],"
+        " topology_distance: [1, 0, 2, 2]}\n"
+        "  - {device_type: ascend, device_id: 2, model: 910B, hbm_memory_mb: 32768, supported_dtypes: [fp16],"
+        " topology_distance: [0, 1, 2]}\n"
+        "  - {device_type: ascend, device_id: 3, model: 910B, hbm_memory_mb: 32768, supported_dtypes: [fp16],"
+        " topology_distance: [2, 2, 1, 0]}\n"
+    )
+    proc = cluster.start_agent(cfg, "node-c")
+    try:
+        wait_for(
+            lambda: "node-c" in nodes(cluster) and nodes(cluster)["node-c"].ready, 40, "node-c registered"
+        )
+        wait_for(
+            lambda: _device(cluster, "node-c/ascend:0").status == types_pb2.DEVICE_STATUS_READY,
+            30,
+            "good devices Ready",
+        )
+        bad = _device(cluster, "node-c/ascend:2")
+        assert bad.status == types_pb2.DEVICE_STATUS_ERROR
+        assert "4x4" in bad.status_reason and "[0, 1, 2]" in bad.status_reason
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "controlplane.cli.main",
+                "--endpoints",
+                cluster.endpoints[0],
+                "device",
+                "list",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"KUNLUN_CONFIG": str(_client_config(cluster, tmp_path)), "PATH": "/usr/bin:/bin"},
+        )
+        line = next(x for x in r.stdout.splitlines() if "node-c/ascend:2" in x)
+        assert "Error" in line
+    finally:
+        proc.kill()
+
+
+def _client_config(cluster: LocalCluster, tmp_path: Path) -> Path:
+    from controlplane.cli.config import ClientConfig, write_client_config
+    from kunlun_common.pki import paths_for
+
+    p = paths_for(cluster.cert_dir, "operator", "admin")
+    path = tmp_path / "client.yaml"
+    write_client_config(path, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    return path
