@@ -16,14 +16,16 @@ DEMO_REPLICA_PORTS = (50051, 50052, 50053)
 DEMO_ETCD_PORTS = ((23791, 23801), (23792, 23802), (23793, 23803))
 
 
-def up(base: Path) -> int:
+def up(base: Path, free_ports: bool = False) -> int:
     if (base / "cluster.json").exists():
         stopped = stop_from_state(base)
         if stopped:
             print(f"stopped the previous local cluster ({len(stopped)} processes)")
-    cluster = LocalCluster(
-        ClusterSpec(base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS)
-    )
+    if free_ports:
+        spec = ClusterSpec(base_dir=base)
+    else:
+        spec = ClusterSpec(base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS)
+    cluster = LocalCluster(spec)
     base.mkdir(parents=True, exist_ok=True)
     print("[1/5] certificates ...", flush=True)
     cluster.make_certs()
@@ -59,10 +61,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m controlplane.local")
     ap.add_argument("command", choices=["up", "down"])
     ap.add_argument("--dir", default=".kunlun", help="state folder (default .kunlun)")
+    ap.add_argument("--free-ports", action="store_true", help="pick free ports instead of 50051-3 / 23791-3")
     a = ap.parse_args()
     base = Path(a.dir).resolve()
     if a.command == "up":
-        sys.exit(up(base))
+        sys.exit(up(base, a.free_ports))
     stopped = stop_from_state(base)
     print(f"stopped {len(stopped)} processes" if stopped else "nothing was running")
 

@@ -10,6 +10,7 @@ State, logs and pids live under one folder (`.kunlun/` for `make demo`, a temp d
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,7 +272,29 @@ def stop_from_state(base: Path, timeout: float = 15.0) -> list[str]:
             p.pid = pid
             procs.append(p)
     stop_all(procs, timeout)
-    return [p.name for p in procs]
+    # anything else started for this cluster (engine supervisors, plugin hosts) names its folder
+    leftovers = []
+    for pid in _pids_mentioning(str(base)):
+        p = ManagedProcess(f"pid-{pid}", [], base / "unused.log")
+        p.pid = pid
+        leftovers.append(p)
+    stop_all(leftovers, timeout)
+    return [p.name for p in procs] + [p.name for p in leftovers]
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    me = os.getpid()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and pid_alive(int(d.name)):
+            out.append(int(d.name))
+    return out
 
 
 def _is_ours(pid: int) -> bool:

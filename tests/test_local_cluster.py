@@ -1,0 +1,49 @@
+"""The launcher behind `make demo` / `make down`: up prints all devices Ready, down leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from controlplane.local.procs import pid_alive
+
+
+def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
+    base = tmp_path / "kc"
+    env = {**os.environ, "KUNLUN_CONFIG": str(tmp_path / "client.yaml")}
+    up = subprocess.run(
+        [sys.executable, "-m", "controlplane.local", "up", "--dir", str(base), "--free-ports"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "[5/5] client config written" in up.stdout
+        rows = [line for line in up.stdout.splitlines() if line.startswith("node-")]
+        assert len(rows) == 7 and all(" Ready " in r for r in rows), up.stdout
+        pids = json.loads((base / "cluster.json").read_text())["pids"]
+        assert len(pids) == 8 and all(pid_alive(p) for p in pids.values())
+        listed = subprocess.run(
+            [sys.executable, "-m", "controlplane.cli.main", "device", "list", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert len(json.loads(listed.stdout)["items"]) == 7
+    finally:
+        down = subprocess.run(
+            [sys.executable, "-m", "controlplane.local", "down", "--dir", str(base)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert not any(pid_alive(p) for p in pids.values())
+    leftovers = subprocess.run(["pgrep", "-f", str(base)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
