@@ -282,3 +282,30 @@ def test_cli_drain_reports_what_cannot_move(cluster: LocalCluster, tmp_path: Pat
     assert out["cordoned"] is True and out["draining"] is True
     assert [c["workload"] for c in out["cannot_move"]] == ["stuck"]
     assert out["cannot_move"][0]["reason"].startswith("DrainBlocked")
+
+
+def test_int8_refused_on_a_device_declared_fp16_only(cluster: LocalCluster, tmp_path: Path) -> None:
+    cfg = tmp_path / "node-c.yaml"
+    cfg.write_text(
+        "schema_version: 1\n"
+        "node: {name: node-c, address: 127.0.0.1, simulated: true}\n"
+        "devices:\n"
+        "  - {device_type: ascend, device_id: 0, model: 910B, hbm_memory_mb: 32768, supported_dtypes: [fp16]}\n"
+    )
+    proc = cluster.start_agent(cfg, "node-c")
+    try:
+        wait_for(lambda: cluster.node_ready("node-c"), 40, "node-c registered")
+        submit(cluster, name="int8-on-c", model="llama3-8b", quantization="int8", pin="node-c/ascend:0")
+        wait_for(
+            lambda: (
+                get(cluster, "int8-on-c").instances
+                and get(cluster, "int8-on-c").instances[0].unplaced_reasons
+            ),
+            30,
+            "reasons",
+        )
+        reasons = dict(get(cluster, "int8-on-c").instances[0].unplaced_reasons)
+        assert reasons["node-c"] == "UnsupportedDtype (int8 not in [fp16])", reasons
+        assert reasons["node-a"] == "PinMismatch"
+    finally:
+        proc.kill()
