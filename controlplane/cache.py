@@ -45,8 +45,11 @@ class GraphCache:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # bounded: a leader stepping down must never hang on its cache
+            await asyncio.wait({self._task}, timeout=5.0)
+            if self._task.done() and not self._task.cancelled():
+                with contextlib.suppress(Exception):
+                    self._task.result()
 
     async def _follow(self, start: int) -> None:
         async for ev in self.store.watch_prefix(keys.ROOT, start):

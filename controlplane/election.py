@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -151,7 +152,14 @@ class Elector:
             self._observe(keys.decode(current.value).get("name", ""))
             return 0
         lease = await self.store.lease_grant(self.settings.ttl_s)
-        value = keys.encode({"name": self.name, "address": self.address, "since_ms": int(time.time() * 1000)})
+        value = keys.encode(
+            {
+                "name": self.name,
+                "address": self.address,
+                "pid": os.getpid(),
+                "since_ms": int(time.time() * 1000),
+            }
+        )
         try:
             res = await self.store.create(keys.LEADER, value, lease)
         except BaseException:

@@ -70,13 +70,15 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         await authorize(context, SVC + "ClusterStatus")
         replicas_kvs, _ = await self.store.get_prefix(keys.REPLICAS)
         leader_kv = await self.store.get(keys.LEADER)
-        leader = keys.decode(leader_kv.value).get("name", "") if leader_kv else ""
+        holder = keys.decode(leader_kv.value) if leader_kv else {}
         replicas = []
         for kv in replicas_kvs:
             info = cluster_pb2.ReplicaInfo()
             keys.decode_message(kv.value, info)
-            info.leader = info.name == leader
+            # the leader key of a process that died keeps its name until its lease expires: match the pid too
+            info.leader = info.name == holder.get("name") and info.pid == holder.get("pid", info.pid)
             replicas.append(info)
+        leader = next((r.name for r in replicas if r.leader), "")
         members = [
             cluster_pb2.EtcdMemberInfo(
                 name=m.name,
@@ -93,7 +95,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
             replicas=replicas,
             etcd_members=members,
             leader=leader,
-            leader_epoch=leader_kv.create_revision if leader_kv else 0,
+            leader_epoch=leader_kv.create_revision if leader_kv and leader else 0,
             answered_by=self.replica_name,
         )
 

@@ -282,17 +282,36 @@ def stop_from_state(base: Path, timeout: float = 15.0) -> list[str]:
     return [p.name for p in procs] + [p.name for p in leftovers]
 
 
+def _ancestors() -> set[int]:
+    pids = set()
+    pid = os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
 def _pids_mentioning(text: str) -> list[int]:
-    me = os.getpid()
+    """Our own processes (python modules of this project, etcd, engines) whose command line names
+    the cluster folder — never a shell or the caller that merely mentions it."""
+    mine = _ancestors()
     out = []
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == me:
+        if not d.name.isdigit() or int(d.name) in mine:
             continue
         try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if text in cmd and pid_alive(int(d.name)):
+        cmd = b" ".join(argv).decode(errors="replace")
+        exe = os.path.basename(argv[0].decode(errors="replace")) if argv and argv[0] else ""
+        ours = exe.startswith(("python", "etcd", "kunlun")) and any(
+            m in cmd for m in ("node_agent.", "controlplane.", "etcd", "kunlun-")
+        )
+        if ours and text in cmd and pid_alive(int(d.name)):
             out.append(int(d.name))
     return out
 

@@ -75,7 +75,8 @@ class SchedulerLoop:
         try:
             while not fence.lost.is_set():
                 try:
-                    await asyncio.wait_for(cache.changed.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await cache.changed.wait()
                 except TimeoutError:
                     pass
                 cache.changed.clear()

@@ -346,7 +346,9 @@ class EtcdStore:
                     )
                 )
                 while True:
-                    resp = await asyncio.wait_for(call.read(), self.settings.watch_idle_timeout_s)
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                    async with asyncio.timeout(self.settings.watch_idle_timeout_s):
+                        resp = await call.read()
                     if resp is _EOF:
                         raise TemporaryError("watch stream closed")
                     attempt = 0
@@ -500,12 +502,14 @@ class _LeaseKeeper:
             call = await self._ensure()
             self._waiting[lease_id].append(fut)
             try:
-                await asyncio.wait_for(call.write(rpc.LeaseKeepAliveRequest(ID=lease_id)), self._timeout)
+                async with asyncio.timeout(self._timeout):
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
             except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as e:
                 self._reset(call, TemporaryError(f"lease keep-alive write failed: {e}"))
         try:
             left = max(0.01, self._timeout - (time.monotonic() - start))
-            return await asyncio.wait_for(fut, left)
+            async with asyncio.timeout(left):
+                return await fut
         except TimeoutError:
             # a silent stream (paused member): start over on a new stream next time
             self._reset(call, TemporaryError("lease keep-alive timed out"))
