@@ -25,6 +25,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     nsub = node.add_subparsers(dest="cmd", required=True)
     nl = nsub.add_parser("list", help="every node with readiness and agent", parents=[common])
     nl.set_defaults(handler=node_list)
+    nd = nsub.add_parser("describe", help="one node: agent, devices, sandbox protections", parents=[common])
+    nd.add_argument("node")
+    nd.set_defaults(handler=node_describe)
     from controlplane.cli.workload_cmd import register_node_ops
 
     register_node_ops(nsub, common)
@@ -87,4 +90,28 @@ def node_list(args: argparse.Namespace) -> int:
                 for n in items
             ],
         )
+    return 0
+
+
+def node_describe(args: argparse.Namespace) -> int:
+    from controlplane.cli.main import make_client
+
+    client = make_client(args)
+    resp = client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest())
+    node = next((n for n in resp.nodes if n.name == args.node), None)
+    if node is None:
+        from controlplane.cli.client import CliError
+
+        raise CliError(f"node {args.node!r} is not registered; see `kunlun-cli node list`")
+    d = node_json(node)
+    d["protections"] = list(node.protections)
+    d["note"] = node.note
+    d["device_names"] = [x.name for x in node.devices]
+    if args.output == "json":
+        print_json(d)
+        return 0
+    for k, v in d.items():
+        if isinstance(v, list):
+            v = ", ".join(str(x) for x in v) or "-"
+        print(f"{k.replace('_', ' ').capitalize():<22} {v}")
     return 0

@@ -50,6 +50,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     sc.add_argument("name")
     sc.add_argument("replicas", type=int)
     sc.set_defaults(handler=scale)
+    lg = ws.add_parser("logs", help="an instance's engine logs, streamed from its node", parents=[common])
+    lg.add_argument("name", help="name or id")
+    lg.add_argument("--instance", type=int, default=0, help="instance ordinal (default 0)")
+    lg.add_argument("--tail", type=int, default=0, help="only the last N lines")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep streaming new lines")
+    lg.set_defaults(handler=logs)
     de = ws.add_parser("delete", help="delete a workload and its instances", parents=[common])
     de.add_argument("name")
     de.add_argument("--wait", action="store_true", help="wait until it is gone")
@@ -161,6 +167,16 @@ def instance_json(i: workload_pb2.Instance) -> dict[str, Any]:
         "node": i.node,
         "target_devices": list(i.target_devices),
         "endpoint": i.endpoint,
+        "pid": i.pid,
+        "restarts": i.restarts,
+        "exit_code": i.exit_code,
+        "launch_plan": {
+            "command": list(i.launch_command),
+            "env_names": list(i.launch_env_names),
+            "device_nodes": list(i.launch_device_nodes),
+        },
+        "prepare_seconds": round(i.prepare_seconds, 3),
+        "first_token_ms": round(i.first_token_ms, 1),
         "unplaced_reasons": dict(sorted(i.unplaced_reasons.items())),
         "history": [
             {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in i.history
@@ -231,6 +247,15 @@ def describe(args: argparse.Namespace) -> int:
         print(f"  {i['id']}  {i['phase']}  target_devices: [{', '.join(i['target_devices'])}]  {i['reason']}")
         for node, why in i["unplaced_reasons"].items():
             print(f"      {node}: {why}")
+        if i["endpoint"]:
+            print(f"      endpoint: {i['endpoint']}  pid: {i['pid']}  restarts: {i['restarts']}")
+        plan = i["launch_plan"]
+        if plan["command"]:
+            print(f"      launch: {' '.join(plan['command'])}")
+            print(f"      env: {', '.join(plan['env_names'])}")
+            print(f"      devices: {', '.join(plan['device_nodes']) or '-'}")
+        if i["prepare_seconds"] or i["first_token_ms"]:
+            print(f"      prepared in {i['prepare_seconds']}s, first token {i['first_token_ms']} ms")
         for h in i["history"][-5:]:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
             print(f"      {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
@@ -348,3 +373,30 @@ def config_set(args: argparse.Namespace) -> int:
     else:
         print("scheduler config applied")
     return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    req = workload_pb2.WorkloadLogsRequest(
+        name=args.name, instance=args.instance, tail=args.tail, follow=args.follow
+    )
+    import grpc
+
+    errors: list[str] = []
+    for ep in client.cfg.endpoints:
+        with client.channel(ep) as ch:
+            from kunlun_common.api import workload_pb2_grpc
+
+            stream = workload_pb2_grpc.WorkloadServiceStub(ch).Logs(req, timeout=None if args.follow else 60)
+            try:
+                for chunk in stream:
+                    for line in chunk.lines:
+                        sys.stdout.write(line if line.endswith("\n") else line + "\n")
+                    sys.stdout.flush()
+                return 0
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE,) and "node" not in (e.details() or ""):
+                    errors.append(f"{ep}: {e.details()}")
+                    continue
+                raise CliError(f"{ep}: {e.code().name.lower().replace('_', ' ')}: {e.details()}") from None
+    raise CliError("no replica answered (" + "; ".join(errors) + ")")
