@@ -19,6 +19,9 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | scheduler/config                   | API (goal state)      | {"schema", "yaml", "by", "at_ms"}             | -                |
 | instances/<instance id>            | leader (fenced)       | Instance (proto JSON): placement, phase, why  | -                |
 | alloc/<node>/<type>:<index>        | leader (fenced)       | {"schema", "instance", "workload", "at_ms"}   | -                |
+| gateway-keys/<id>                  | API (GatewayService)  | {"schema","id","name","hash" (SHA-256; the secret is never stored),"prefix",...} | - |
+| gateway-policies/<workload>        | API (GatewayService)  | {"schema","workload","policy","balance_factor","prefix_chars","by","at_ms"} | - |
+| gateways/<gateway>                 | replica for gateway   | GatewayInfo (proto JSON): name, address, pid, version, replica | gateway lease |
 | instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
+from controlplane.api.gateway_service import GatewayService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
@@ -25,7 +26,13 @@ from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
 from kunlun_common import tls
-from kunlun_common.api import agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc, workload_pb2_grpc
+from kunlun_common.api import (
+    agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    gateway_pb2_grpc,
+    workload_pb2_grpc,
+)
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
@@ -143,6 +150,9 @@ class Replica:
         )
         workload_pb2_grpc.add_WorkloadServiceServicer_to_server(
             WorkloadService(self.store, self.feeds, self.tls), server
+        )
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+            GatewayService(self.store, self.feeds, self.settings.name), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:

@@ -15,7 +15,15 @@ from controlplane.api.auth import PERMISSIONS
 from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.local.cluster import LocalCluster
 from controlplane.local.procs import wait_for
-from kunlun_common.api import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc, types_pb2
+from kunlun_common.api import (
+    agent_pb2,
+    agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    gateway_pb2,
+    types_pb2,
+    workload_pb2,
+)
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
@@ -105,6 +113,13 @@ def test_cluster_status_json(cli_config: Path, cluster: LocalCluster) -> None:
     assert all(x["healthy"] is True and isinstance(x["pid"], int) for x in st["replicas"])
     assert {x["pid"] for x in st["replicas"]} == {p.pid for p in cluster.replicas.values()}
     assert len(st["etcd_members"]) == 3 and all(m["healthy"] for m in st["etcd_members"])
+
+    def gateways() -> list[dict[str, object]]:
+        out = run_cli(cli_config, "cluster", "status", "-o", "json")
+        return list(json.loads(out.stdout)["gateways"])
+
+    wait_for(lambda: len(gateways()) == 3, 30, "3 gateways listed")
+    assert {g["pid"] for g in gateways()} == {p.pid for p in cluster.gateways.values()}
 
 
 def test_node_list(cli_config: Path) -> None:
@@ -203,7 +218,7 @@ def test_connections_without_valid_certs_are_refused(cluster: LocalCluster, tmp_
 def test_every_served_method_has_a_role_rule() -> None:
     served = {
         f"/kunlun.v1.{svc.name}/{m.name}"
-        for mod in (cluster_pb2, agent_pb2)
+        for mod in (cluster_pb2, agent_pb2, workload_pb2, gateway_pb2)
         for svc in mod.DESCRIPTOR.services_by_name.values()
         for m in svc.methods
     }

@@ -27,7 +27,9 @@ def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
         rows = [line for line in up.stdout.splitlines() if line.startswith("node-")]
         assert len(rows) == 7 and all(" Ready " in r for r in rows), up.stdout
         pids = json.loads((base / "cluster.json").read_text())["pids"]
-        assert len(pids) == 8 and all(pid_alive(p) for p in pids.values())
+        assert len(pids) == 11 and all(
+            pid_alive(p) for p in pids.values()
+        )  # 3 etcd, 3 replicas, 2 agents, 3 gateways
         listed = subprocess.run(
             [sys.executable, "-m", "controlplane.cli.main", "device", "list", "-o", "json"],
             capture_output=True,

@@ -37,6 +37,14 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.WorkloadService/GetSchedulerConfig": READERS,
     "/kunlun.v1.WorkloadService/SetSchedulerConfig": WRITERS,
     "/kunlun.v1.WorkloadService/Logs": READERS,
+    "/kunlun.v1.GatewayService/CreateApiKey": WRITERS,
+    "/kunlun.v1.GatewayService/ListApiKeys": READERS,
+    "/kunlun.v1.GatewayService/RevokeApiKey": WRITERS,
+    "/kunlun.v1.GatewayService/SetRoutingPolicy": WRITERS,
+    "/kunlun.v1.GatewayService/ListRoutingPolicies": (*READERS, "gateway"),
+    "/kunlun.v1.GatewayService/Heartbeat": ("gateway",),
+    "/kunlun.v1.GatewayService/ListGateways": READERS,
+    "/kunlun.v1.GatewayService/WatchGatewayConfig": ("gateway", "operator"),
     "/kunlun.v1.WorkloadService/WatchEndpoints": ("gateway", "operator", "viewer"),
 }
 

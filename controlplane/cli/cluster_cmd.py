@@ -37,6 +37,9 @@ def cluster_status(args: argparse.Namespace) -> int:
     resp = client.call(lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest())
     replicas = [replica_json(r, probe_health(client, r.address)) for r in resp.replicas]
     members = [member_json(m) for m in resp.etcd_members]
+    from controlplane.cli.gateway_cmd import live_gateways
+
+    gateways = live_gateways(client)
     if args.output == "json":
         print_json(
             {
@@ -45,6 +48,7 @@ def cluster_status(args: argparse.Namespace) -> int:
                 "answered_by": resp.answered_by,
                 "replicas": replicas,
                 "etcd_members": members,
+                "gateways": gateways,
             }
         )
         return 0
@@ -70,4 +74,13 @@ def cluster_status(args: argparse.Namespace) -> int:
             for m in members
         ],
     )
+    if gateways:
+        print()
+        print_table(
+            ["GATEWAY", "ADDRESS", "PID", "REPLICA"],
+            [
+                [g.get("name", ""), g.get("address", ""), g.get("pid", ""), g.get("replica", "")]
+                for g in gateways
+            ],
+        )
     return 0

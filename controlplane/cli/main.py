@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, workload_cmd
+from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, workload_cmd
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
 from kunlun_common.errors import ConfigError, KunlunError
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cmd.register(sub, common)
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
+    gateway_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
     return p
 

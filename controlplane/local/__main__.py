@@ -39,6 +39,8 @@ def up(base: Path, free_ports: bool = False) -> int:
             flush=True,
         )
         cluster.start_agents()
+        print("      inference gateways: 3 (OpenAI-compatible HTTP) ...", flush=True)
+        cluster.start_gateways()
     except Exception as e:
         print(
             f"local cluster failed to start: {e}\nlogs are under {base}; `make down` stops what started",
@@ -49,7 +51,8 @@ def up(base: Path, free_ports: bool = False) -> int:
     cfg_path = default_path()
     write_client_config(cfg_path, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
     print(f"[5/5] client config written to {cfg_path}", flush=True)
-    print(f"\nleader: {cluster.leader()}   logs: {base}\n")
+    print(f"\nleader: {cluster.leader()}   logs: {base}")
+    print("gateways: " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values()) + "\n")
     cli = Path(sys.executable).parent / "kunlun-cli"
     subprocess.run(
         [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}

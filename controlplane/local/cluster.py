@@ -52,6 +52,10 @@ class ClusterSpec:
     """Extra flags for every replica."""
     agent_args: tuple[str, ...] = ()
     """Extra flags for every agent."""
+    gateways: int = 3
+    """Number of inference gateways (one per control-plane host in production)."""
+    gateway_args: tuple[str, ...] = ()
+    """Extra flags for every gateway."""
 
 
 @dataclass
@@ -61,6 +65,8 @@ class LocalCluster:
     replicas: dict[str, ManagedProcess] = field(default_factory=dict)
     replica_addrs: dict[str, str] = field(default_factory=dict)
     agents: dict[str, ManagedProcess] = field(default_factory=dict)
+    gateways: dict[str, ManagedProcess] = field(default_factory=dict)
+    gateway_addrs: dict[str, str] = field(default_factory=dict)
 
     @property
     def base(self) -> Path:
@@ -189,12 +195,46 @@ class LocalCluster:
         for node in self.agents:
             wait_for(lambda n=node: self.node_ready(n), timeout, f"node {node} to register")
 
+    def gateway_argv(self, name: str, address: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "controlplane.gateway.main",
+            f"--name={name}",
+            f"--listen={address}",
+            f"--endpoints={','.join(self.endpoints)}",
+            f"--cert-dir={self.cert_dir}",
+            *self.spec.gateway_args,
+        ]
+
+    def start_gateways(self, timeout: float = 30.0) -> None:
+        for i in range(self.spec.gateways):
+            name, addr = f"gateway-{i + 1}", f"127.0.0.1:{free_port()}"
+            self.gateway_addrs[name] = addr
+            proc = ManagedProcess(name, self.gateway_argv(name, addr), self.base / "gateways" / f"{name}.log")
+            proc.start()
+            self.gateways[name] = proc
+        self.save()
+        for name in self.gateways:
+            wait_for(lambda n=name: self.gateway_serving(n), timeout, f"gateway {name} to serve")
+
+    def gateway_serving(self, name: str) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://{self.gateway_addrs[name]}/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
     def start(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
         self.make_certs()
         self.start_etcd()
         self.start_replicas()
         self.start_agents()
+        if self.spec.gateways:
+            self.start_gateways()
 
     # ---------------------------------------------------------------- probes
     def channel(self, address: str, role: str = "operator", name: str = "admin") -> grpc.Channel:
@@ -239,18 +279,24 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- state
     def all_procs(self) -> list[ManagedProcess]:
-        return [*self.agents.values(), *self.replicas.values(), *(m.proc for m in self.etcd.members)]
+        return [
+            *self.gateways.values(),
+            *self.agents.values(),
+            *self.replicas.values(),
+            *(m.proc for m in self.etcd.members),
+        ]
 
     def save(self) -> None:
         data = {
             "pids": {p.name: p.pid for p in self.all_procs() if p.pid},
             "replicas": self.replica_addrs,
+            "gateways": self.gateway_addrs,
             "etcd": list(self.etcd.endpoints),
         }
         (self.base / "cluster.json").write_text(json.dumps(data, indent=2))
 
     def stop(self) -> None:
-        stop_all([*self.agents.values()])
+        stop_all([*self.gateways.values(), *self.agents.values()])
         stop_all([*self.replicas.values()])
         stop_all([m.proc for m in self.etcd.members])
 
@@ -263,7 +309,9 @@ def stop_from_state(base: Path, timeout: float = 15.0) -> list[str]:
     pids: dict[str, int] = json.loads(path.read_text()).get("pids", {})
     order = sorted(
         pids.items(),
-        key=lambda kv: 0 if kv[0].startswith("agent") else 1 if kv[0].startswith("replica") else 2,
+        key=lambda kv: (
+            0 if kv[0].startswith(("agent", "gateway")) else 1 if kv[0].startswith("replica") else 2
+        ),
     )
     procs = []
     for name, pid in order:
@@ -321,4 +369,6 @@ def _is_ours(pid: int) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return False
-    return any(s in cmd for s in ("etcd", "controlplane.main", "node_agent.main", "kunlun"))
+    return any(
+        s in cmd for s in ("etcd", "controlplane.main", "controlplane.gateway", "node_agent.main", "kunlun")
+    )

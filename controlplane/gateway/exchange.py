@@ -1,0 +1,240 @@
+"""One proxied request: attempts on instances, the request timeout, and the response relay.
+
+An Exchange is the `upstream.Sink` of the connection that carries its current attempt. Each attempt
+takes one in-flight slot of its instance (given back exactly once, whatever ends the attempt). A
+failure before any byte reached the client is retried on an instance not tried yet (`retries`);
+after that, a broken upstream cuts the client's response (the client sees a truncated stream, never
+a made-up one). `request_timeout_s` bounds the wait for the first byte and each silence after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+
+from controlplane.gateway.backends import Backend, WorkloadRoutes
+from controlplane.gateway.upstream import UpstreamConn
+
+if TYPE_CHECKING:
+    from controlplane.gateway.proxy import ClientProtocol, Proxy, Request
+
+log = structlog.get_logger("gateway.proxy")
+
+
+class Exchange:
+    """One proxied request: attempts on instances, the timeout, and the response relay."""
+
+    __slots__ = (
+        "backend",
+        "client",
+        "conn",
+        "connecting",
+        "done",
+        "head",
+        "key",
+        "last",
+        "last_error",
+        "proxy",
+        "refreshed",
+        "req",
+        "started",
+        "tail",
+        "timer",
+        "tried",
+        "wl",
+    )
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        client: ClientProtocol,
+        req: Request,
+        wl: WorkloadRoutes,
+        key: str | None,
+        head: bytes,
+        tail: bytes,
+    ) -> None:
+        self.proxy = proxy
+        self.client = client
+        self.req = req
+        self.wl = wl
+        self.key = key
+        self.head = head
+        self.tail = tail
+        self.tried: list[Backend] = []
+        self.backend: Backend | None = None
+        self.conn: UpstreamConn | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.started = False
+        self.refreshed = False
+        self.done = False
+        self.last_error = ""
+        self.last = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = self.proxy.loop
+        self.last = loop.time()
+        self.timer = loop.call_later(self.proxy.settings.request_timeout_s, self._on_timer)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        picked = self.proxy.registry.pick(self.wl, self.key, self.tried)
+        if isinstance(picked, str):
+            if self.tried:
+                self._error(502, f"instance {self.last_error}; no other instance to retry on ({picked})")
+            else:
+                self._error(503, picked, b"retry-after: 1\r\n")
+            return
+        self.tried.append(picked)
+        self._attempt(picked, fresh=False)
+
+    def _attempt(self, b: Backend, fresh: bool) -> None:
+        b.inflight += 1
+        b.requests += 1
+        self.backend = b
+        conn = None if fresh else b.pool.acquire()
+        if conn is None:
+            self.connecting = self.proxy.loop.create_task(self._connect(b))
+        else:
+            self._send(conn)
+
+    async def _connect(self, b: Backend) -> None:
+        try:
+            conn = await b.pool.connect()
+        except (OSError, TimeoutError) as e:
+            self.connecting = None
+            if self.backend is b and not self.done:
+                self.upstream_failed(f"cannot connect ({e or 'timed out'})", "connect", False)
+            return
+        self.connecting = None
+        if self.done or self.backend is not b:
+            conn.detach()
+            return
+        self._send(conn)
+
+    def _send(self, conn: UpstreamConn) -> None:
+        self.conn = conn
+        assert self.backend is not None
+        conn.send(self, (self.head, self.backend.host_header, self.tail, self.req.body))
+
+    def _release(self) -> Backend | None:
+        b, self.backend = self.backend, None
+        if b is not None:
+            b.inflight -= 1
+        return b
+
+    def _finish(self, keep_alive: bool) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.proxy.inflight -= 1
+        self.client.finished(keep_alive and self.req.keep_alive)
+
+    def _error(self, status: int, message: str, extra: bytes = b"") -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.proxy.inflight -= 1
+        self.client.error(status, message, self.req.keep_alive, extra)
+
+    # --- upstream.Sink
+    def may_retry(self) -> bool:
+        if self.done or len(self.tried) > self.proxy.settings.retries:
+            return False
+        return any(b not in self.tried for b in self.wl.backends)
+
+    def upstream_data(self, data: bytes) -> None:
+        self.started = True
+        self.last = self.proxy.loop.time()
+        t = self.client.transport
+        if t is not None:
+            t.write(data)
+
+    def upstream_done(self, keep_alive: bool) -> None:
+        self.conn = None
+        b = self._release()
+        if b is not None:
+            self.proxy.registry.succeeded(b)
+        self._finish(keep_alive)
+
+    def upstream_failed(self, reason: str, kind: str, reused: bool) -> None:
+        self.conn = None
+        b = self._release()
+        if b is None or self.done:
+            return
+        if kind == "reset" and reused and not self.refreshed and not b.removed:
+            # the pooled keep-alive connection had gone stale (the engine closed it as we sent):
+            # once, the same instance on a new connection, not counted as the instance failing
+            self.refreshed = True
+            self._attempt(b, fresh=True)
+            return
+        self.proxy.registry.failed(b, kind, reason, reused)
+        self.last_error = f"{b.instance_id} ({b.address}) of workload {self.wl.name!r} failed: {reason}"
+        if len(self.tried) <= self.proxy.settings.retries:
+            log.info("retrying on another instance", error=self.last_error)
+            self._dispatch()
+        else:
+            self._error(502, f"instance {self.last_error}")
+
+    def upstream_broken(self, reason: str) -> None:
+        self.conn = None
+        b = self._release()
+        if b is not None:
+            self.proxy.registry.failed(b, "reset", reason, True)
+            log.warning("response cut", instance=b.instance_id, workload=self.wl.name, reason=reason)
+        self._finish(False)
+
+    # --- timeouts and the client going away
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.done:
+            return
+        loop = self.proxy.loop
+        timeout = self.proxy.settings.request_timeout_s
+        idle = loop.time() - self.last
+        if idle < timeout:
+            self.timer = loop.call_later(timeout - idle, self._on_timer)
+            return
+        self._drop_upstream()
+        b = self._release()
+        what = f"instance {b.instance_id} ({b.address})" if b is not None else "no instance"
+        if b is not None:
+            self.proxy.registry.failed(b, "timeout", f"no answer within {timeout:g}s")
+        if self.started:
+            log.warning("response timed out mid-way", workload=self.wl.name, instance=what)
+            self._finish(False)
+        else:
+            self._error(504, f"{what} of workload {self.wl.name!r} did not answer within {timeout:g}s")
+
+    def _drop_upstream(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.detach()
+        task, self.connecting = self.connecting, None
+        if task is not None:
+            task.cancel()
+
+    def abort(self) -> None:
+        """The client went away."""
+        if self.done:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self._drop_upstream()
+        self._release()
+        self.proxy.inflight -= 1
+
+    def pause(self) -> None:
+        if self.conn is not None:
+            self.conn.pause()
+
+    def resume(self) -> None:
+        if self.conn is not None:
+            self.conn.resume()

@@ -1,0 +1,248 @@
+"""`kunlun-gateway`: run one gateway (the OpenAI-compatible data plane)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import ssl
+import sys
+import time
+from typing import Any
+
+import structlog
+
+from controlplane.gateway.auth import ApiKeys
+from controlplane.gateway.backends import HealthChecker, Registry
+from controlplane.gateway.proxy import Proxy
+from controlplane.gateway.settings import GatewaySettings, split_host_port
+from kunlun_common.api import workload_pb2
+from kunlun_common.errors import ConfigError, KunlunError
+from kunlun_common.logs import setup_logging
+from kunlun_common.settings import from_mapping, load_yaml_mapping
+
+log = structlog.get_logger("gateway")
+VERSION = "0.1.0"
+
+
+class Gateway:
+    """The HTTP server, the control-plane feed, health checks and the optional router sync."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.registry = Registry(settings)
+        self.keys = ApiKeys(settings.require_api_key)
+        self.material = None
+        if settings.endpoints:
+            from kunlun_common import tls
+
+            self.material = tls.load_tls(settings.cert_paths(), expect_roles=("gateway",))
+            if self.material.identity.name != settings.name:
+                raise ConfigError(
+                    f"{settings.cert_paths().cert}: certificate is for gateway {self.material.identity.name!r} "
+                    f"but this gateway is named {settings.name!r}"
+                )
+        elif settings.require_api_key:
+            raise ConfigError("require_api_key: API keys come from the control plane; give endpoints")
+        self.server: asyncio.AbstractServer | None = None
+        self.proxy: Proxy | None = None
+        self.feed: Any = None
+        self.router_sync: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.started = time.time()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.settings.name,
+            "uptime_s": round(time.time() - self.started, 1),
+            "inflight": self.proxy.inflight if self.proxy else 0,
+            "clients": len(self.proxy.clients) if self.proxy else 0,
+            "synced": self.registry.synced,
+            "api_keys": {
+                "required": self.keys.required,
+                "loaded": self.keys.loaded,
+                "count": len(self.keys.hashes),
+            },
+            "feed": self.feed.status() if self.feed is not None else {"static": True},
+            "router_sync": self.router_sync.status() if self.router_sync is not None else None,
+            "workloads": self.registry.status_json(),
+        }
+
+    def _changed(self) -> None:
+        if self.router_sync is not None:
+            self.router_sync.kick()
+
+    async def start(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        self.proxy = Proxy(s, self.registry, self.keys, self.status)
+        if self.material is not None:
+            from controlplane.gateway.feed import ControlPlaneFeed
+
+            self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
+            self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
+        else:
+            eps = [
+                workload_pb2.Endpoint(instance_id=f"{w}-{i}", address=a, workload=w)
+                for w, addrs in s.static_map().items()
+                for i, a in enumerate(addrs)
+            ]
+            self.registry.apply_endpoints(eps)
+        if s.health_check_interval_s > 0:
+            checker = HealthChecker(self.registry, s)
+            self._tasks.append(asyncio.create_task(checker.run(), name="gateway-health"))
+        if s.sglang_router_url:
+            from controlplane.gateway.routersync import RouterSync
+
+            self.router_sync = RouterSync(s.sglang_router_url, self.registry, s.sglang_router_workload)
+            self._tasks.append(asyncio.create_task(self.router_sync.run(), name="gateway-router-sync"))
+        ctx = None
+        if s.tls_cert:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            try:
+                ctx.load_cert_chain(s.tls_cert, s.tls_key)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"tls_cert/tls_key: cannot load {s.tls_cert} / {s.tls_key} ({e})") from None
+        host, port = split_host_port(s.listen, "listen")
+        proxy = self.proxy
+        try:
+            self.server = await loop.create_server(
+                proxy.protocol, host, port, ssl=ctx, backlog=4096, reuse_address=True
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"listen: cannot listen on {s.listen} ({e.strerror}); is the port in use?"
+            ) from None
+        log.info(
+            "gateway serving",
+            name=s.name,
+            listen=s.listen,
+            https=bool(ctx),
+            replicas=list(s.endpoints),
+            static=bool(s.static_endpoints),
+        )
+
+    async def stop(self) -> None:
+        """Stop accepting; let requests in flight finish (at most drain_s); close everything."""
+        log.info("gateway stopping", name=self.settings.name)
+        if self.server is not None:
+            self.server.close()
+        for _ in range(int(self.settings.drain_s / 0.05)):
+            if self.proxy is None or self.proxy.inflight <= 0:
+                break
+            await asyncio.sleep(0.05)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.proxy is not None:
+            for c in list(self.proxy.clients):
+                if c.transport is not None:
+                    c.transport.close()
+        self.registry.close()
+
+
+async def serve(settings: GatewaySettings) -> None:
+    """Run a gateway until SIGTERM/SIGINT."""
+    gw = Gateway(settings)
+    await gw.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([waiter, *gw._tasks], return_when=asyncio.FIRST_COMPLETED)
+    for t in done:
+        if t is not waiter and not t.cancelled() and t.exception() is not None:
+            log.error("background task died", task=t.get_name(), error=str(t.exception()))
+    waiter.cancel()
+    await gw.stop()
+
+
+def build_settings(argv: list[str] | None = None) -> GatewaySettings:
+    p = argparse.ArgumentParser(prog="kunlun-gateway", description="Run a Kunlun Platform inference gateway.")
+    p.add_argument("--config", help="YAML settings file (keys: the GatewaySettings fields)")
+    p.add_argument("--name", help="gateway name (must match its certificate, role gateway)")
+    p.add_argument("--listen", help="host:port for the HTTP API (default 127.0.0.1:8080)")
+    p.add_argument("--advertise", help="host:port clients use to reach this gateway")
+    p.add_argument("--endpoints", help="comma-separated replica addresses")
+    p.add_argument("--cert-dir", help="certificate folder from `kunlun-cli certs init`")
+    p.add_argument("--static-endpoints", help="no control plane: comma-separated WORKLOAD=HOST:PORT")
+    p.add_argument("--tls-cert", help="PEM certificate for HTTPS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key for HTTPS")
+    p.add_argument(
+        "--require-api-key", action="store_true", default=None, help="refuse requests without a key"
+    )
+    p.add_argument("--policy", dest="default_policy", help="default routing policy")
+    p.add_argument("--request-timeout", type=float, help="seconds to the first byte / between bytes")
+    p.add_argument("--connect-timeout", type=float, help="seconds to connect to an engine")
+    p.add_argument("--max-inflight", type=int, help="requests in flight per instance")
+    p.add_argument("--retries", type=int, help="retries on another instance before any byte was sent")
+    p.add_argument("--health-interval", type=float, help="active health checks every N s (0: off)")
+    p.add_argument("--health-timeout", type=float, help="health check timeout, seconds")
+    p.add_argument("--eject-seconds", type=float, help="passive ejection period after errors")
+    p.add_argument("--heartbeat-interval", type=float, help="registration heartbeat, seconds")
+    p.add_argument("--sglang-router", help="http://host:port of an sglang-router to keep in sync")
+    p.add_argument("--sglang-router-workload", help="mirror only this workload into the sglang-router")
+    p.add_argument("--log-level", help="debug, info, warning, error")
+    a = p.parse_args(argv)
+    data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
+    for flag, key in (
+        ("name", "name"),
+        ("listen", "listen"),
+        ("advertise", "advertise"),
+        ("cert_dir", "cert_dir"),
+        ("tls_cert", "tls_cert"),
+        ("tls_key", "tls_key"),
+        ("require_api_key", "require_api_key"),
+        ("default_policy", "default_policy"),
+        ("request_timeout", "request_timeout_s"),
+        ("connect_timeout", "connect_timeout_s"),
+        ("max_inflight", "max_inflight_per_instance"),
+        ("retries", "retries"),
+        ("health_interval", "health_check_interval_s"),
+        ("health_timeout", "health_check_timeout_s"),
+        ("eject_seconds", "eject_s"),
+        ("heartbeat_interval", "heartbeat_interval_s"),
+        ("sglang_router", "sglang_router_url"),
+        ("sglang_router_workload", "sglang_router_workload"),
+        ("log_level", "log_level"),
+    ):
+        if getattr(a, flag) is not None:
+            data[key] = getattr(a, flag)
+    for flag, key in (("endpoints", "endpoints"), ("static_endpoints", "static_endpoints")):
+        if getattr(a, flag):
+            data[key] = [e.strip() for e in getattr(a, flag).split(",") if e.strip()]
+    return from_mapping(GatewaySettings, data, a.config or "flags")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        settings = build_settings(argv)
+    except ConfigError as e:
+        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        sys.exit(2)
+    setup_logging("kunlun-gateway", settings.log_level)
+    try:
+        import uvloop
+
+        factory: Any = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        factory = None
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(settings))
+    except ConfigError as e:
+        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KunlunError as e:
+        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

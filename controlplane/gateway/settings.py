@@ -1,0 +1,133 @@
+"""Settings of a gateway (`kunlun-gateway`), loadable from YAML and flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kunlun_common.errors import ConfigError
+from kunlun_common.pki import CertPaths, paths_for
+
+POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+
+
+def split_host_port(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"{what}: expected host:port, found {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything one gateway needs; YAML keys are these field names."""
+
+    name: str = "gateway-1"
+    """Gateway name; with a control plane it must equal the CN of its certificate (role `gateway`)."""
+    listen: str = "127.0.0.1:8080"
+    """host:port the HTTP API listens on."""
+    advertise: str = ""
+    """host:port clients use to reach this gateway (default: listen); shown by `gateway list`."""
+    endpoints: tuple[str, ...] = ()
+    """Replica addresses host:port (all of them: the gateway fails over between them)."""
+    cert_dir: str = ""
+    """Certificate folder from `kunlun-cli certs init` (uses ca.crt and gateway/<name>.crt/.key)."""
+    server_name: str = "localhost"
+    """Name checked against the replicas' certificates."""
+    static_endpoints: tuple[str, ...] = ()
+    """Without a control plane (benchmarks, local tests): WORKLOAD=HOST:PORT entries."""
+    tls_cert: str = ""
+    """PEM certificate for HTTPS on the client side (with tls_key); empty: plain HTTP."""
+    tls_key: str = ""
+    """PEM private key for tls_cert."""
+    require_api_key: bool = False
+    """Refuse requests without a valid `Authorization: Bearer <key>` (keys: `kunlun-cli gateway keys`)."""
+    default_policy: str = "round_robin"
+    """Routing policy of workloads without one of their own (`kunlun-cli gateway policy set`)."""
+    balance_factor: float = 1.25
+    """prefix_affinity: an instance takes at most ceil(factor * average in-flight) before shedding."""
+    prefix_chars: int = 256
+    """prefix_affinity: characters of the prompt that are hashed."""
+    request_timeout_s: float = 300.0
+    """Longest wait for an engine's first response byte, and longest silence between bytes after it."""
+    connect_timeout_s: float = 2.0
+    """Longest wait to open a connection to an engine."""
+    max_inflight_per_instance: int = 256
+    """Requests in flight per instance; when every instance is full the gateway answers 503."""
+    max_idle_per_instance: int = 128
+    """Idle keep-alive connections kept per instance."""
+    retries: int = 1
+    """Times a request that failed before any byte reached the client is retried on another instance."""
+    health_check_interval_s: float = 5.0
+    """Active health checks (GET health_check_path) every this many seconds; 0 switches them off."""
+    health_check_timeout_s: float = 1.0
+    """An instance that does not answer its health check within this is ejected."""
+    health_check_path: str = "/health"
+    """Path of the engines' health endpoint."""
+    eject_s: float = 5.0
+    """Passive ejection after connection errors: first period, doubled on each repeat (at most 60 s)."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest accepted request body."""
+    heartbeat_interval_s: float = 2.0
+    """Registration heartbeat to the replica; a replica that misses it is left for the next one."""
+    feed_timeout_s: float = 5.0
+    """A replica that sends no endpoint snapshot or heartbeat answer within this is left."""
+    sglang_router_url: str = ""
+    """Optional http://host:port of an sglang-router whose workers are kept equal to our instances."""
+    sglang_router_workload: str = ""
+    """Mirror only this workload's instances into the sglang-router (empty: every workload)."""
+    drain_s: float = 10.0
+    """On SIGTERM: stop accepting, wait this long at most for requests in flight."""
+    log_level: str = "info"
+    """debug, info, warning or error."""
+
+    def __post_init__(self) -> None:
+        split_host_port(self.listen, "listen")
+        for ep in self.endpoints:
+            split_host_port(ep, "endpoints")
+        for item in self.static_endpoints:
+            workload, sep, address = item.partition("=")
+            if not sep or not workload:
+                raise ConfigError(f"static_endpoints: expected WORKLOAD=HOST:PORT, found {item!r}")
+            split_host_port(address, "static_endpoints")
+        if not self.endpoints and not self.static_endpoints:
+            raise ConfigError(
+                "endpoints: name the replicas (host:port, comma-separated), or give static_endpoints"
+            )
+        if self.endpoints and not self.cert_dir:
+            raise ConfigError("cert_dir: the certificate folder is required to talk to the replicas")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key: give both (HTTPS) or neither (plain HTTP)")
+        if self.default_policy not in POLICIES:
+            raise ConfigError(
+                f"default_policy: expected one of {', '.join(POLICIES)}, found {self.default_policy!r}"
+            )
+        for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s", "eject_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"{name}: expected a positive number of seconds, found {getattr(self, name)}"
+                )
+        if self.health_check_interval_s < 0:
+            raise ConfigError("health_check_interval_s: expected 0 (off) or a positive number of seconds")
+        if self.max_inflight_per_instance < 1:
+            raise ConfigError("max_inflight_per_instance: expected at least 1")
+        if not 0 <= self.retries <= 3:
+            raise ConfigError(f"retries: expected 0..3, found {self.retries}")
+        if self.balance_factor < 1.0:
+            raise ConfigError(f"balance_factor: expected at least 1.0, found {self.balance_factor}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
+
+    @property
+    def advertise_address(self) -> str:
+        return self.advertise or self.listen
+
+    def cert_paths(self) -> CertPaths:
+        return paths_for(Path(self.cert_dir), "gateway", self.name)
+
+    def static_map(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for item in self.static_endpoints:
+            workload, _, address = item.partition("=")
+            out.setdefault(workload, []).append(address)
+        return out
