@@ -37,9 +37,10 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     """Put what the node observed onto the instance record (only for its current placement)."""
     if node != inst.node or inst.phase not in PLACED:
         return
-    if st.phase:
+    if st.phase and st.phase != "Pending":  # the agent's "Pending" (preparing) reads better as Scheduled
         inst.phase = st.phase
-        inst.reason = st.reason or inst.reason
+        if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
+            inst.reason = st.reason or inst.reason
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts

@@ -1,10 +1,12 @@
-"""The node agent process: load the declaration, start the device plugins, keep the link up."""
+"""The node agent process: load the declaration, start the device plugins, keep the link up, run the
+engines the scheduler assigns (`executor/manager.py`) and serve their logs (`node_service.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import structlog
@@ -14,12 +16,38 @@ from kunlun_common.errors import ConfigError
 from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager, simulated_env
+from node_agent.executor.manager import ExecutorManager
+from node_agent.executor.prepare import NodeContext
+from node_agent.executor.probes import endpoint
+from node_agent.executor.sandbox import (
+    Protections,
+    SandboxSettings,
+    detect_protections,
+    require_protections,
+)
+from node_agent.node_service import NodeServiceServer, NodeServiceServicer
 from node_agent.plugins.config import NodeConfig, load_config
 from node_agent.plugins.remote import plugin_socket_dir
+from node_agent.plugins.standin.state import STATE_ENV
 from node_agent.settings import AgentSettings
 
 log = structlog.get_logger("agent")
 VERSION = "0.1.0"
+
+
+def protection_names(p: Protections) -> list[str]:
+    """The protections as reported to the control plane (`InstanceReport.protections`)."""
+    flags = (
+        ("cgroup-memory", p.cgroup_memory),
+        ("cgroup-pids", p.cgroup_pids),
+        ("cgroup-cpu", p.cgroup_cpu),
+        ("pid-namespace", p.pid_namespace),
+        ("mount-namespace", p.mount_namespace),
+        ("private-dev", p.private_dev),
+        ("private-tmp", p.private_dev),
+        ("env-allowlist", p.env_allowlist),
+    )
+    return [name for name, on in flags if on]
 
 
 class Agent:
@@ -38,6 +66,29 @@ class Agent:
         env = simulated_env(self.config, state_dir) if self.config.simulated else dict(os.environ)
         self.devices = DeviceManager(self.config, env)
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
+        self.protections = detect_protections()
+        require_protections(self.protections, settings.executor.allow_unsandboxed)
+        ctx = NodeContext(
+            node=self.config.node_name,
+            address=self.config.address,
+            instances_dir=state_dir.resolve() / "instances",
+            cache_root=state_dir.resolve() / "cache",
+            settings=settings.executor,
+            sandbox=SandboxSettings().restricted_to(self.protections),
+            cgroups=self.protections.cgroup_memory
+            or self.protections.cgroup_pids
+            or self.protections.cgroup_cpu,
+            devices=self.devices.devices,
+            plugin=self.devices.plugin,
+        )
+        sim_state = Path(env[STATE_ENV]) if self.config.simulated and STATE_ENV in env else None
+        self.executor = ExecutorManager(
+            ctx, protection_names(self.protections), self._seconds_since_contact, sim_state
+        )
+        self.node_service = NodeServiceServer(
+            self.tls, NodeServiceServicer(self.config.node_name, self.executor.instance_dir)
+        )
+        self.node_service_address = ""
         self.link = ReplicaLink(
             settings.endpoints,
             self.tls,
@@ -48,13 +99,20 @@ class Agent:
                 self.devices.devices(),
                 VERSION,
                 os.path.abspath(self.config.path),
+                self.node_service_address,
             ),
             samples=self.devices.samples,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             ack_timeout_s=settings.ack_timeout_s,
             connect_timeout_s=settings.connect_timeout_s,
             server_name=settings.server_name,
+            on_assignments=self.executor.assign,
+            reports=self.executor.report,
+            report_changed=self.executor.changed,
         )
+
+    def _seconds_since_contact(self) -> float:
+        return time.monotonic() - self.link.last_contact
 
     def explain_no_devices(self) -> str | None:
         """If no declared device is usable, say exactly why (tools, devices, config file)."""
@@ -81,8 +139,16 @@ class Agent:
     async def run(self) -> None:
         await self.devices.start(self.plugin_socket_dir)  # out-of-process plugins register here
         try:
+            listen = self.settings.node_service_listen or endpoint(self.config.address, 0)
+            port = await self.node_service.start(listen)
+            self.node_service_address = endpoint(self.config.address, port)
+            await self.executor.start()
             await self._run()
         finally:
+            if self.settings.executor.stop_engines_on_exit:
+                await self.executor.stop_everything("the agent exited (--stop-engines-on-exit)")
+            await self.executor.close()  # without --stop-engines-on-exit the next agent adopts them
+            await self.node_service.stop()
             await self.devices.stop()
 
     async def _run(self) -> None:
@@ -96,6 +162,9 @@ class Agent:
             devices=len(self.config.devices),
             simulated=self.config.simulated,
             endpoints=list(self.settings.endpoints),
+            node_service=self.node_service_address,
+            protections=protection_names(self.protections),
+            protection_notes=list(self.protections.notes),
         )
         tasks = [
             asyncio.create_task(self.link.run(), name="link"),

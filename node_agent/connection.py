@@ -1,6 +1,9 @@
 """The agent's link to the control plane: one stream to one replica at a time, with failover.
 
-The agent registers, then sends a heartbeat (with device samples) every interval. A replica that
+The agent registers, then sends a heartbeat (with device samples) every interval, and its whole
+instance report at once after registering and again whenever it changed. The replica pushes the
+node's full assignment set (on registration and on every change), handed to `on_assignments`.
+A replica that
 does not answer the registration within `connect_timeout_s`, or stops acknowledging heartbeats for
 `ack_timeout_s` (dead, SIGSTOPped, cut off, or itself cut off from etcd), is left for the next one
 in the list. The agent never talks to etcd.
@@ -12,6 +15,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import structlog
@@ -39,6 +43,9 @@ class ReplicaLink:
         ack_timeout_s: float = 3.0,
         connect_timeout_s: float = 5.0,
         server_name: str = "localhost",
+        on_assignments: Callable[[agent_pb2.Assignments], None] | None = None,
+        reports: Callable[[], agent_pb2.InstanceReport] | None = None,
+        report_changed: asyncio.Event | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.creds = tls.channel_credentials(material)
@@ -48,6 +55,9 @@ class ReplicaLink:
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.server_name = server_name
+        self.on_assignments = on_assignments
+        self.reports = reports
+        self.report_changed = report_changed
         self.connected_to = ""
         self.registered = asyncio.Event()
         self.last_ack = 0.0
@@ -109,15 +119,23 @@ class ReplicaLink:
                 replica_name=first.register_ack.replica,
                 devices=len(reg.devices),
             )
-            reader = asyncio.create_task(self._read_acks(call, ep))
+            reader = asyncio.create_task(self._read(call, ep))
+            await self._send_report(call)  # the first after every (re)connect: the whole picture
+            next_hb = time.monotonic()
             while True:
-                self._seq += 1
-                hb = agent_pb2.Heartbeat(
-                    seq=self._seq, sent_at_unix_ms=int(time.time() * 1000), samples=self.samples()
-                )
-                await asyncio.wait_for(call.write(agent_pb2.AgentMessage(heartbeat=hb)), self.ack_timeout_s)
-                done, _ = await asyncio.wait({reader}, timeout=self.heartbeat_interval_s)
-                if done:
+                if time.monotonic() >= next_hb:
+                    self._seq += 1
+                    hb = agent_pb2.Heartbeat(
+                        seq=self._seq, sent_at_unix_ms=int(time.time() * 1000), samples=self.samples()
+                    )
+                    await asyncio.wait_for(
+                        call.write(agent_pb2.AgentMessage(heartbeat=hb)), self.ack_timeout_s
+                    )
+                    next_hb = time.monotonic() + self.heartbeat_interval_s
+                if self.report_changed is not None and self.report_changed.is_set():
+                    await self._send_report(call)
+                await self._wait(reader, max(0.0, next_hb - time.monotonic()))
+                if reader.done():
                     reader.result()
                     raise LinkError(f"{ep} closed the stream")
                 silent = time.monotonic() - self.last_ack
@@ -131,15 +149,52 @@ class ReplicaLink:
             call.cancel()
             await channel.close(None)
 
-    async def _read_acks(
+    async def _wait(self, reader: asyncio.Task[None], seconds: float) -> None:
+        """Until the reader ends, the report changes, or `seconds` pass."""
+        waits: set[asyncio.Future[Any]] = {reader}
+        changed: asyncio.Task[bool] | None = None
+        if self.report_changed is not None:
+            changed = asyncio.create_task(self.report_changed.wait())
+            waits.add(changed)
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if changed is not None:
+                changed.cancel()
+
+    async def _send_report(
+        self, call: grpc.aio.StreamStreamCall[agent_pb2.AgentMessage, agent_pb2.ReplicaMessage]
+    ) -> None:
+        if self.reports is None:
+            return
+        if self.report_changed is not None:
+            self.report_changed.clear()
+        report = self.reports()
+        await asyncio.wait_for(call.write(agent_pb2.AgentMessage(report=report)), self.ack_timeout_s)
+
+    async def _read(
         self, call: grpc.aio.StreamStreamCall[agent_pb2.AgentMessage, agent_pb2.ReplicaMessage], ep: str
     ) -> None:
         while True:
             msg = await call.read()
             if msg is _EOF or not isinstance(msg, agent_pb2.ReplicaMessage):
                 return
-            if msg.WhichOneof("kind") == "heartbeat_ack":
+            kind = msg.WhichOneof("kind")
+            if kind == "heartbeat_ack":
                 self.last_ack = self.last_contact = time.monotonic()
+            elif kind == "assignments":
+                self.last_contact = time.monotonic()
+                log.info(
+                    "assignments received",
+                    replica=ep,
+                    instances=len(msg.assignments.items),
+                    revision=msg.assignments.revision,
+                )
+                if self.on_assignments is not None:
+                    try:
+                        self.on_assignments(msg.assignments)
+                    except Exception:  # the stream must survive a bad handler
+                        log.exception("handling assignments failed")
 
 
 def registration(
@@ -149,6 +204,7 @@ def registration(
     devices: list[types_pb2.Device],
     version: str,
     config_path: str,
+    node_service: str = "",
 ) -> agent_pb2.RegisterNode:
     return agent_pb2.RegisterNode(
         node=node,
@@ -158,4 +214,5 @@ def registration(
         agent_version=version,
         agent_pid=os.getpid(),
         config_path=config_path,
+        node_service=node_service,
     )

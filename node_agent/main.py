@@ -9,7 +9,9 @@ import sys
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.logs import setup_logging
-from node_agent.settings import AgentSettings
+from node_agent.settings import AgentSettings, ExecutorSettings
+
+SCHEDULER_NODE_GRACE_S = 30.0  # the scheduler's default node_not_ready_grace_seconds
 
 
 def build_settings(argv: list[str] | None = None) -> AgentSettings:
@@ -24,6 +26,72 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     p.add_argument(
         "--ack-timeout", type=float, default=3.0, help="fail over after this many seconds without ack"
     )
+    p.add_argument(
+        "--node-service-listen",
+        default="",
+        help="host:port of the agent's NodeService (logs, for replicas); default: the node's address, free port",
+    )
+    e = p.add_argument_group("engines")
+    d = ExecutorSettings()
+    e.add_argument(
+        "--allow-unsandboxed",
+        action="store_true",
+        help="run engines even when the node offers no isolation (no cgroup controller, no namespaces)",
+    )
+    e.add_argument(
+        "--test-engine-fallback",
+        action="store_true",
+        help="serve `engine: sglang` workloads with kunlun-test-engine when SGLang is not installed (demo, tests)",
+    )
+    e.add_argument(
+        "--disconnect-stop",
+        type=float,
+        default=d.disconnect_stop_s,
+        metavar="SECONDS",
+        help=f"stop every engine after this long without any replica (default {d.disconnect_stop_s:g}; keep it "
+        f"below the scheduler's node_not_ready_grace_seconds, {SCHEDULER_NODE_GRACE_S:g} by default)",
+    )
+    e.add_argument(
+        "--engine-python", default=d.engine_python, help="interpreter with SGLang (default python3)"
+    )
+    e.add_argument("--engine-user", default=None, help="run engines as this unprivileged user")
+    e.add_argument(
+        "--engine-memory-limit-mb",
+        type=int,
+        default=None,
+        help="default host-memory limit per instance (the spec's env KUNLUN_MEMORY_LIMIT_MB wins)",
+    )
+    e.add_argument(
+        "--engine-cpu-cores",
+        type=float,
+        default=None,
+        help="default CPU limit per instance (the spec's env KUNLUN_CPU_CORES wins)",
+    )
+    e.add_argument("--health-path", default=d.health_path, help="engine health probe path (default /health)")
+    e.add_argument("--probe-interval", type=float, default=d.probe_interval_s, help="seconds between probes")
+    e.add_argument("--probe-timeout", type=float, default=d.probe_timeout_s, help="deadline of one probe")
+    e.add_argument(
+        "--probe-failures",
+        type=int,
+        default=d.probe_failure_threshold,
+        help="restart a Running engine after this many failed probes in a row",
+    )
+    e.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=d.startup_timeout_s,
+        help="restart an engine not healthy by then",
+    )
+    e.add_argument("--restart-backoff", type=float, default=d.restart_backoff_s, help="first restart delay")
+    e.add_argument(
+        "--restart-backoff-max", type=float, default=d.restart_backoff_max_s, help="longest restart delay"
+    )
+    e.add_argument("--stop-grace", type=float, default=d.stop_grace_s, help="SIGTERM to SIGKILL delay")
+    e.add_argument(
+        "--stop-engines-on-exit",
+        action="store_true",
+        help="stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them to the next agent)",
+    )
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     endpoints = tuple(e.strip() for e in a.endpoints.split(",") if e.strip())
@@ -34,6 +102,39 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
             raise ConfigError(f"--endpoints: {ep!r} is not host:port")
     if a.heartbeat_interval <= 0 or a.ack_timeout <= a.heartbeat_interval:
         raise ConfigError("--ack-timeout must be greater than --heartbeat-interval, both > 0")
+    for flag, value in (
+        ("--disconnect-stop", a.disconnect_stop),
+        ("--probe-interval", a.probe_interval),
+        ("--probe-timeout", a.probe_timeout),
+        ("--probe-failures", a.probe_failures),
+        ("--startup-timeout", a.startup_timeout),
+        ("--restart-backoff", a.restart_backoff),
+        ("--restart-backoff-max", a.restart_backoff_max),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be greater than 0, got {value}")
+    if a.stop_grace < 0:
+        raise ConfigError(f"--stop-grace must not be negative, got {a.stop_grace}")
+    if not a.health_path.startswith("/"):
+        raise ConfigError(f"--health-path must start with '/', got {a.health_path!r}")
+    executor = ExecutorSettings(
+        health_path=a.health_path,
+        probe_interval_s=a.probe_interval,
+        probe_timeout_s=a.probe_timeout,
+        probe_failure_threshold=a.probe_failures,
+        startup_timeout_s=a.startup_timeout,
+        restart_backoff_s=a.restart_backoff,
+        restart_backoff_max_s=max(a.restart_backoff_max, a.restart_backoff),
+        stop_grace_s=a.stop_grace,
+        disconnect_stop_s=a.disconnect_stop,
+        allow_unsandboxed=a.allow_unsandboxed,
+        test_engine_fallback=a.test_engine_fallback,
+        engine_python=a.engine_python,
+        engine_user=a.engine_user,
+        memory_limit_mb=a.engine_memory_limit_mb,
+        cpu_cores=a.engine_cpu_cores,
+        stop_engines_on_exit=a.stop_engines_on_exit,
+    )
     state_dir = a.state_dir or os.path.join(
         "/var/lib/kunlun-agent", os.path.basename(a.config).rsplit(".", 1)[0]
     )
@@ -44,6 +145,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         state_dir=state_dir,
         heartbeat_interval_s=a.heartbeat_interval,
         ack_timeout_s=a.ack_timeout,
+        node_service_listen=a.node_service_listen,
+        executor=executor,
     )
 
 
@@ -51,6 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settings = build_settings(argv)
         setup_logging("kunlun-agent")
+        if settings.executor.disconnect_stop_s >= SCHEDULER_NODE_GRACE_S:
+            print(
+                f"kunlun-agent: warning: --disconnect-stop {settings.executor.disconnect_stop_s:g} is not below "
+                f"the scheduler's default node grace ({SCHEDULER_NODE_GRACE_S:g}s): an instance cut off with its "
+                "node may run twice",
+                file=sys.stderr,
+            )
         from node_agent.agent import Agent
 
         agent = Agent(settings)

@@ -2,7 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """How the agent runs, probes, restarts and stops the engines the scheduler assigns to its node."""
+
+    health_path: str = "/health"
+    """HTTP path probed on each engine (readiness, then liveness)."""
+    probe_interval_s: float = 1.0
+    """Seconds between probes (and between checks that the engine still runs)."""
+    probe_timeout_s: float = 2.0
+    """Deadline of one probe."""
+    probe_failure_threshold: int = 3
+    """A Running engine failing this many probes in a row is restarted."""
+    startup_timeout_s: float = 900.0
+    """An engine not healthy this long after its start is restarted (model download and load included)."""
+    restart_backoff_s: float = 1.0
+    """First delay before restarting an engine that ended; doubled after each restart in a row."""
+    restart_backoff_max_s: float = 60.0
+    """Longest delay between restarts."""
+    backoff_reset_s: float = 120.0
+    """An engine that ran this long before ending is restarted after the first delay again."""
+    stop_grace_s: float = 10.0
+    """SIGTERM to SIGKILL delay when stopping an engine."""
+    disconnect_stop_s: float = 20.0
+    """Stop every engine once no replica has been reached for this long (keep it below the scheduler's
+    node_not_ready_grace_seconds, 30 s by default, so an instance never runs on two nodes)."""
+    allow_unsandboxed: bool = False
+    """Run engines even when the node offers no isolation at all (no cgroup controller, no namespaces)."""
+    test_engine_fallback: bool = False
+    """When SGLang is not installed, serve `engine: sglang` workloads with kunlun-test-engine (demo, tests)."""
+    engine_python: str = "python3"
+    """Interpreter of the engines' Python environment (where SGLang is installed)."""
+    engine_user: str | None = None
+    """Unprivileged user the engines run as (None: the agent's user)."""
+    memory_limit_mb: int | None = None
+    """Default host-memory limit of one instance (cgroup); the spec's env KUNLUN_MEMORY_LIMIT_MB wins."""
+    cpu_cores: float | None = None
+    """Default CPU limit of one instance in cores; the spec's env KUNLUN_CPU_CORES wins."""
+    pids_max: int | None = 32768
+    """Most tasks (processes and threads) in one instance's cgroup."""
+    stop_engines_on_exit: bool = False
+    """Stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them for the next agent)."""
+    cgroup_parent: str = "kunlun"
+    """Parent cgroup; instances live in `<parent>/<node>/<instance_id>` of each hierarchy."""
 
 
 @dataclass(frozen=True)
@@ -25,3 +70,8 @@ class AgentSettings:
     """Deadline for connecting and registering with one replica."""
     server_name: str = "localhost"
     """Name checked against the replicas' certificates."""
+    node_service_listen: str = ""
+    """host:port the agent's NodeService (instance logs, for replicas) listens on; empty: the node's
+    address and a free port."""
+    executor: ExecutorSettings = field(default_factory=ExecutorSettings)
+    """Engines: probes, restarts, sandbox policy, stop on disconnect."""

@@ -52,9 +52,13 @@ def targets(cluster: LocalCluster, name: str) -> list[str]:
     return sorted(d for i in get(cluster, name).instances for d in i.target_devices)
 
 
+PLACED = ("Scheduled", "Starting", "Running")
+
+
 def placed(cluster: LocalCluster, name: str, n: int = 1) -> bool:
+    """n instances hold devices (whatever their engines are doing on the node)."""
     s = get(cluster, name)
-    return sum(1 for i in s.instances if i.phase == "Scheduled" and i.target_devices) == n
+    return sum(1 for i in s.instances if i.target_devices and i.node) == n
 
 
 def workloads(cluster: LocalCluster) -> list[workload_pb2.WorkloadSummary]:

@@ -50,8 +50,9 @@ class ClusterSpec:
     """More agent certificates to issue (node names) for tests."""
     replica_args: tuple[str, ...] = ()
     """Extra flags for every replica."""
-    agent_args: tuple[str, ...] = ()
-    """Extra flags for every agent."""
+    agent_args: tuple[str, ...] = ("--test-engine-fallback", "--stop-engines-on-exit")
+    """Extra flags for every agent (the local cluster serves with the test engine when SGLang is
+    not installed, and stops its engines when it stops)."""
     gateways: int = 3
     """Number of inference gateways (one per control-plane host in production)."""
     gateway_args: tuple[str, ...] = ()

@@ -1,10 +1,15 @@
-"""Node agent executor: runs engines in per-instance cgroups and sandboxes under a supervisor.
+"""Node agent executor: runs the assigned engines in per-instance cgroups and sandboxes under supervisors.
 
-Building blocks (no control-plane integration here):
-
+* `manager` - the reconciler: assigned instances <-> running engines, adoption after an agent
+  restart, stop on disconnect, the node's InstanceReport, simulated chip telemetry;
+* `instance` - one instance's lifecycle: start, probe, restart with back-off, stop; its phases;
+* `prepare` - from an assignment to a supervisor spec (plugin allocate, launch plan, engine choice
+  and the test-engine fallback, cgroup limits, port);
+* `probes` - HTTP health probe and first-token measurement;
 * `launch_plan` - from workload + allocation + device plugin answer to the exact engine process;
-* `sandbox` - namespaces, private /tmp and /dev, environment allowlist; `detect_protections`;
+* `sandbox` (+ `sandbox_init`) - namespaces, private /tmp and /dev, environment allowlist;
+  `detect_protections`;
 * `cgroups` - per-instance cgroups on v1, v2 or hybrid hosts, OOM kill counter;
-* `supervisor` - the detached per-instance supervisor and the agent API
-  (`launch`, `adopt`, `stop`, `read_exit`).
+* `supervisor` - the detached per-instance supervisor process; `supervisor_api` - the agent's side
+  (`launch`, `adopt`, `stop`, `read_exit`, `reap`); `logfiles` - rotating engine logs and their readers.
 """

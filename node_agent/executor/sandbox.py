@@ -8,7 +8,7 @@ Python 3.11 has no `os.unshare`, so namespaces come from util-linux `unshare(1)`
 * `unshare` forks the sandbox init, which is pid 1 of the new PID namespace and sees a freshly
   mounted /proc (so the engine, pid 2, cannot see the host's processes). `--kill-child` kills
   the namespace if `unshare` dies.
-* The init (`init_main`, this module) mounts a private tmpfs on /tmp and a private /dev holding
+* The init (`init_main`, in `sandbox_init.py`) mounts a private tmpfs on /tmp and a private /dev holding
   only the allowed device nodes (null, zero, full, random, urandom, tty plus the allocated
   accelerator nodes) and a /dev/shm tmpfs, then forks the engine in its working directory,
   optionally as an unprivileged user. It forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2
@@ -26,17 +26,14 @@ out of the private /dev; run engines as an unprivileged `user` where the stack a
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
 import pwd
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +41,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kunlun_common.errors import ConfigError
+from node_agent.executor.sandbox_init import FORWARDED_SIGNALS as FORWARDED_SIGNALS
+from node_agent.executor.sandbox_init import SETUP_FAILED_EXIT as SETUP_FAILED_EXIT
+from node_agent.executor.sandbox_init import init_main as init_main
 
 if TYPE_CHECKING:
     from node_agent.executor.cgroups import CgroupLayout
@@ -64,18 +64,7 @@ DEFAULT_ENV_ALLOWLIST = (
     "PYTHONIOENCODING",
 )
 DEFAULT_BASE_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
-FORWARDED_SIGNALS = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-SETUP_FAILED_EXIT = 125
-"""Exit code of the init when it could not set the sandbox up (as runc/docker use 125)."""
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND = 0x2, 0x4, 0x8, 0x1000
 
 
 @dataclass(frozen=True)
@@ -323,7 +312,7 @@ def _init_prefix(settings: SandboxSettings, mode: str) -> list[str]:
             cmd.append("--mount-proc")
     code = (
         f"import sys; sys.path.insert(0, {str(_PACKAGE_ROOT)!r}); "
-        "from node_agent.executor.sandbox import init_main; sys.exit(init_main(sys.argv[1:]))"
+        "from node_agent.executor.sandbox_init import init_main; sys.exit(init_main(sys.argv[1:]))"
     )
     return [*cmd, "--", settings.python, "-I", "-c", code, mode]
 
@@ -417,121 +406,3 @@ def require_protections(protections: Protections, allow_unsandboxed: bool) -> No
             + "; ".join(protections.notes)
             + ". Fix the node or start the agent with --allow-unsandboxed"
         )
-
-
-# --- Inside the namespaces: the sandbox init -------------------------------------------------
-
-
-def _mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags), data.encode())
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {fstype} on {target}: {os.strerror(err)}")
-
-
-def _setup_dev(devices: Sequence[Mapping[str, Any]], shm_size: str) -> None:
-    _mount("tmpfs", "/dev", "tmpfs", _MS_NOSUID | _MS_NOEXEC, "mode=755,size=1m")
-    for d in devices:
-        path = str(d["path"])
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        kind = stat.S_IFCHR if d["kind"] == "c" else stat.S_IFBLK
-        os.mknod(path, kind | 0o600, os.makedev(int(d["major"]), int(d["minor"])))
-        os.chown(path, int(d["uid"]), int(d["gid"]))
-        os.chmod(path, int(d["mode"]))
-    os.mkdir("/dev/shm")
-    _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={shm_size}")
-    for i, name in enumerate(("stdin", "stdout", "stderr")):
-        os.symlink(f"/proc/self/fd/{i}", f"/dev/{name}")
-    os.symlink("/proc/self/fd", "/dev/fd")
-
-
-def _exec_engine(argv: Sequence[str], workdir_fd: int, user: Mapping[str, Any] | None) -> None:
-    """In the forked child: become the engine. Never returns."""
-    try:
-        os.setsid()
-        os.fchdir(workdir_fd)
-        for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL)
-        if user is not None:
-            os.setgroups(list(user["groups"]))
-            os.setgid(int(user["gid"]))
-            os.setuid(int(user["uid"]))
-        os.execvpe(argv[0], list(argv), dict(os.environ))
-    except OSError as exc:
-        os.write(2, f"kunlun-sandbox: cannot start {argv[0]}: {exc}\n".encode())
-        os._exit(127 if exc.errno == errno.ENOENT else 126)
-
-
-def init_main(args: Sequence[str]) -> int:
-    """Entry point inside the namespaces: `--probe`, or `--init CONFIG -- ARGV...`."""
-    if args and args[0] == "--probe":
-        result: dict[str, Any] = {"pid": os.getpid()}
-        try:
-            _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m")
-            result["mount"] = True
-        except OSError as exc:
-            result["mount"], result["error"] = False, str(exc)
-        print(json.dumps(result))
-        return 0
-    if len(args) < 4 or args[0] != "--init" or args[2] != "--":
-        print("usage: --init CONFIG -- ARGV... | --probe", file=sys.stderr)
-        return 2
-    cfg, argv = json.loads(args[1]), args[3:]
-    status_fd: int | None = cfg.get("status_fd")
-
-    def report(**event: Any) -> None:
-        if status_fd is not None:
-            try:
-                os.write(status_fd, (json.dumps(event) + "\n").encode())
-            except OSError:
-                pass
-
-    engine_pid = 0
-    pending: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        if engine_pid:
-            try:
-                os.kill(engine_pid, signum)
-            except ProcessLookupError:
-                pass
-        else:
-            pending.append(signum)
-
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
-    try:
-        workdir_fd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
-        if cfg["private_tmp"]:
-            _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={cfg['tmp_size']}")
-            if Path(cfg["workdir"]).is_relative_to("/tmp"):  # keep the engine's own directory visible
-                os.makedirs(cfg["workdir"], exist_ok=True)
-                _mount(f"/proc/self/fd/{workdir_fd}", cfg["workdir"], "", _MS_BIND, "")
-        if cfg["private_dev"]:
-            _setup_dev(cfg["devices"], cfg["shm_size"])
-    except OSError as exc:
-        print(f"kunlun-sandbox: setup failed: {exc}", file=sys.stderr, flush=True)
-        report(event="error", message=f"sandbox setup failed: {exc}")
-        return SETUP_FAILED_EXIT
-    pid = os.fork()
-    if pid == 0:
-        if status_fd is not None:
-            os.close(status_fd)
-        _exec_engine(argv, workdir_fd, cfg.get("user"))
-    engine_pid = pid
-    report(event="started", ns_pid=pid)
-    for signum in pending:
-        forward(signum, None)
-    code = SETUP_FAILED_EXIT
-    while True:
-        try:
-            wpid, status = os.wait()
-        except ChildProcessError:
-            break
-        if wpid == pid:
-            code = os.waitstatus_to_exitcode(status)
-            report(event="exited", exit_code=code if code >= 0 else None, signal=-code if code < 0 else None)
-            break
-    # As pid 1, returning makes the kernel SIGKILL whatever the engine left in the namespace.
-    return code if code >= 0 else 128 - code

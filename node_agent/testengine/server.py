@@ -4,7 +4,8 @@ It is a test engine, not a model: completions are words echoed from the prompt. 
 `/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE streaming:
 `data: {...}\\n\\n` chunks then `data: [DONE]`), SGLang's native `/generate` and
 `/get_model_info`, with the response shapes the OpenAI Python SDK expects (id, object, created,
-model, choices, usage).
+model, choices, usage); and `/debug/env`: the names (never the values) of its environment
+variables, so tests can check the sandbox's environment allowlist.
 
 Built directly on asyncio (an `asyncio.Protocol` per connection with the httptools parser, uvloop
 when installed) with keep-alive and pipelining, so the gateway benchmark can use it as a backend.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -133,6 +135,7 @@ class KunlunTestEngine:
             "/health_generate": ("GET", self._health),
             "/v1/models": ("GET", self._models),
             "/get_model_info": ("GET", self._model_info),
+            "/debug/env": ("GET", self._env_names),
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
             "/generate": ("POST", self._generate),
@@ -206,6 +209,10 @@ class KunlunTestEngine:
 
     def _health(self, _body: dict[str, Any]) -> tuple[int, bytes]:
         return 200, b""
+
+    def _env_names(self, _body: dict[str, Any]) -> tuple[int, bytes]:
+        """The NAMES of the engine's environment variables (never values), to check the sandbox's."""
+        return 200, _dumps({"env_names": sorted(os.environ)})
 
     def _models(self, _body: dict[str, Any]) -> tuple[int, bytes]:
         model = {

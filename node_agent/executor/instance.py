@@ -1,0 +1,382 @@
+"""One assigned instance on this node: start it, probe it, restart it, stop it; report what happens.
+
+Phases (`InstanceStatus.phase`):
+
+    Pending -> Starting -> Running --(exit, OOM kill, failed liveness)--> CrashLoopBackOff -> Pending ...
+       |                                                                                      (restart)
+       +--> Failed (cannot start: bad spec, SGLang missing without the fallback...; waits for a new spec)
+    any --(unassigned / no replica reachable)--> Stopped
+
+* Pending: allocating the devices and building the launch plan (`prepare.py`); Starting: the
+  supervisor runs the engine, which does not answer its health probe yet; Running: after the first
+  successful probe (then one tiny generation measures the first-token time).
+* A Running engine failing `probe_failure_threshold` probes in a row is stopped and restarted; an
+  engine not healthy within `startup_timeout_s` too. An engine that ends is restarted after an
+  exponential back-off (`restart_backoff_s` doubled per restart in a row, at most
+  `restart_backoff_max_s`, reset after `backoff_reset_s` of running); the phase is CrashLoopBackOff
+  while waiting and the reason says why it ended ("OOMKilled" first when the cgroup's OOM counter
+  says so) and when it restarts.
+* Cancelling the worker's task (the agent exits) leaves the engine running: its supervisor does not
+  depend on the agent, and the next agent adopts it. Only `request_stop` stops the engine.
+
+The worker keeps `agent.json` in the instance dir (fingerprint of the assignment, port, status) so a
+restarted agent can adopt the engine with its history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from google.protobuf import json_format
+
+from kunlun_common.api import agent_pb2
+from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from node_agent.executor.prepare import NodeContext, PrepareError, prepare
+from node_agent.executor.probes import endpoint, first_token_ms, probe_health
+from node_agent.executor.supervisor_api import (
+    ExitRecord,
+    SupervisorHandle,
+    adopt,
+    alive,
+    atomic_write_json,
+    launch,
+    read_exit,
+    stop,
+)
+
+log = structlog.get_logger("executor")
+AGENT_FILE = "agent.json"
+LAUNCH_TIMEOUT_S = 60.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Why an engine run ended (or could not start)."""
+
+    reason: str
+    exit_code: int = 0
+    oom_killed: bool = False
+    ran_s: float = 0.0
+
+
+def describe_exit(record: ExitRecord | None) -> Ended:
+    """An exit record in words; OOM kills (from the cgroup counter) are "OOMKilled"."""
+    if record is None:
+        return Ended("the supervisor vanished without recording how the engine ended")
+    ran = max(0.0, record.finished_at - record.started_at)
+    sig = record.signal
+    code = record.exit_code if record.exit_code is not None else (128 + sig if sig else 0)
+    if record.cause == "oom_killed" or record.oom_killed:
+        return Ended("OOMKilled", 128 + signal.SIGKILL, True, ran)
+    if record.cause == "failed":
+        return Ended(f"engine could not start: {record.message}", code, False, ran)
+    if record.cause == "signaled" and sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return Ended(f"engine was killed by {name}", code, False, ran)
+    if record.cause == "stopped":
+        return Ended(f"engine stopped: {record.message or 'by its supervisor'}", code, False, ran)
+    return Ended(f"engine exited with code {code}", code, False, ran)
+
+
+class InstanceWorker:
+    """Runs one assigned instance until asked to stop (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: NodeContext,
+        assignment: agent_pb2.Assignment,
+        fingerprint: str,
+        on_change: Callable[[], None],
+        handle: SupervisorHandle | None = None,
+        saved: dict[str, Any] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.assignment = assignment
+        self.fingerprint = fingerprint
+        self.on_change = on_change
+        self.iid = assignment.instance_id
+        self.dir = ctx.instances_dir / self.iid
+        self.handle = handle
+        self.port = 0
+        self.note = ""
+        self.attempt = 0
+        self.last_end = ""
+        self.stop_reason = ""
+        self.status = agent_pb2.InstanceStatus(
+            instance_id=self.iid, workload_id=assignment.workload_id, phase="Pending"
+        )
+        self._stop = asyncio.Event()
+        self._ftl: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        if saved:
+            self._restore(saved)
+        if handle is not None:
+            self.status.phase = "Starting"
+            self.status.pid = handle.engine_pid or 0
+
+    # ------------------------------------------------------------------------------------ state
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.port = int(saved.get("port", 0))
+        self.note = str(saved.get("note", ""))
+        with contextlib.suppress(json_format.ParseError):
+            json_format.ParseDict(saved.get("status", {}), self.status, ignore_unknown_fields=True)
+        self.status.instance_id = self.iid
+        self.status.workload_id = self.assignment.workload_id
+
+    def _persist(self) -> None:
+        if not self.dir.is_dir():
+            return
+        data = {
+            "fingerprint": self.fingerprint,
+            "port": self.port,
+            "note": self.note,
+            "status": json_format.MessageToDict(self.status, preserving_proto_field_name=True),
+        }
+        try:
+            atomic_write_json(self.dir / AGENT_FILE, data, mode=0o600)
+        except OSError as e:
+            log.warning("could not save instance state", instance=self.iid, error=str(e))
+
+    def _set(self, **fields: Any) -> None:
+        changed = False
+        for name, value in fields.items():
+            if name in ("command", "env_names", "device_nodes"):
+                if list(getattr(self.status, name)) != list(value):
+                    del getattr(self.status, name)[:]
+                    getattr(self.status, name).extend(value)
+                    changed = True
+            elif getattr(self.status, name) != value:
+                setattr(self.status, name, value)
+                changed = True
+        if changed:
+            if "phase" in fields:
+                log.info(
+                    "instance phase",
+                    instance=self.iid,
+                    phase=self.status.phase,
+                    reason=self.status.reason,
+                    pid=self.status.pid,
+                )
+            self._persist()
+            self.on_change()
+
+    def _reason(self, *parts: str) -> str:
+        return "; ".join(p for p in (*parts, self.note) if p)
+
+    @property
+    def engine_live(self) -> bool:
+        """Whether an engine (its supervisor) runs for this instance now."""
+        return self.handle is not None and alive(self.handle)
+
+    # ------------------------------------------------------------------------------------ control
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"instance-{self.iid}")
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the engine and end the worker (phase Stopped with `reason`)."""
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Wait `seconds`; True when a stop was requested meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """The worker's task: never raises (but CancelledError, which leaves the engine running)."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if self._ftl is not None:
+                self._ftl.cancel()
+            raise
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ended = await self._once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the worker must never die: treat it as a crash and retry
+                log.exception("instance worker error", instance=self.iid)
+                ended = Ended(f"agent error: {type(e).__name__}: {e}")
+            if ended is None:
+                break
+            await self._backoff(ended)
+        await self._shutdown()
+
+    async def _once(self) -> Ended | None:
+        """Start (or adopt) the engine and watch it; None when a stop was requested or it Failed."""
+        if self.handle is not None and not alive(self.handle):
+            ended = describe_exit(read_exit(self.dir))
+            self.handle = None
+            return ended
+        if self.handle is None:
+            started = await self._start()
+            if started is not None or self.handle is None:
+                return started
+        return await self._watch()
+
+    async def _start(self) -> Ended | None:
+        after = f"restart {self.status.restarts} after {self.last_end}" if self.last_end else ""
+        self._set(phase="Pending", reason=after or "preparing", pid=0)
+        t0 = time.monotonic()
+        try:
+            prep = await prepare(self.ctx, self.assignment, self.port)
+        except PrepareError as e:
+            if not e.permanent:
+                return Ended(str(e))
+            self._set(phase="Failed", reason=str(e))
+            await self._stop.wait()
+            return None
+        self.port, self.note = prep.port, prep.note
+        self._set(
+            endpoint=endpoint(self.ctx.address, prep.port),
+            command=list(prep.spec.argv),
+            env_names=list(prep.env_names),
+            device_nodes=list(prep.plan.device_nodes),
+        )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._persist()  # before the launch: a restarted agent must recognise the supervisor
+        try:
+            self.handle = await asyncio.to_thread(launch, prep.spec, LAUNCH_TIMEOUT_S)
+        except TemporaryError as e:
+            self.handle = await asyncio.to_thread(adopt, self.dir)
+            if self.handle is None:
+                return Ended(str(e))
+        except PermanentError as e:
+            record = read_exit(self.dir)
+            return describe_exit(record) if record is not None else Ended(str(e))
+        self._set(
+            phase="Starting",
+            reason=self._reason(after),
+            pid=self.handle.engine_pid or 0,
+            started_at_unix_ms=int(self.handle.started_at * 1000),
+            ready_at_unix_ms=0,
+            prepare_seconds=round(time.monotonic() - t0, 3),
+        )
+        return None
+
+    async def _watch(self) -> Ended | None:
+        assert self.handle is not None
+        s = self.ctx.settings
+        host = self.ctx.address
+        ready_since: float | None = None
+        failures = 0
+        watching_since = time.monotonic()
+        adopted = self.status.phase == "Starting" and self.status.ready_at_unix_ms > 0
+        while True:
+            if await self._sleep(s.probe_interval_s):
+                return None
+            if not alive(self.handle):
+                ended = describe_exit(read_exit(self.dir))
+                if ready_since is not None:
+                    ended = Ended(
+                        ended.reason, ended.exit_code, ended.oom_killed, time.monotonic() - ready_since
+                    )
+                self.handle = None
+                return ended
+            error = await probe_health(host, self.port, s.health_path, s.probe_timeout_s)
+            if error is None:
+                failures = 0
+                if ready_since is None:
+                    ready_since = time.monotonic()
+                    ready_at = self.status.ready_at_unix_ms if adopted else now_ms()
+                    self._set(phase="Running", reason=self._reason(), ready_at_unix_ms=ready_at)
+                    if not adopted or not self.status.first_token_ms:
+                        self._ftl = asyncio.create_task(self._measure_first_token(), name=f"ftl-{self.iid}")
+                continue
+            if ready_since is not None:
+                failures += 1
+                log.warning("liveness probe failed", instance=self.iid, failures=failures, error=error)
+                if failures >= s.probe_failure_threshold:
+                    await self._stop_engine()
+                    return Ended(
+                        f"liveness probe failed {failures} times in a row ({error})",
+                        ran_s=time.monotonic() - ready_since,
+                    )
+            elif time.monotonic() - watching_since > s.startup_timeout_s:
+                await self._stop_engine()
+                return Ended(f"not healthy {s.startup_timeout_s:g}s after its start ({error})")
+
+    async def _measure_first_token(self) -> None:
+        ms = await first_token_ms(self.ctx.address, self.port, self.assignment.spec.name)
+        if ms is None:
+            log.warning("first-token measurement failed", instance=self.iid)
+            return
+        self._set(first_token_ms=round(ms, 2))
+
+    async def _backoff(self, ended: Ended) -> None:
+        s = self.ctx.settings
+        if ended.ran_s >= s.backoff_reset_s:
+            self.attempt = 0
+        delay = min(s.restart_backoff_max_s, s.restart_backoff_s * (2**self.attempt))
+        self.attempt += 1
+        self.last_end = ended.reason
+        log.warning(
+            "instance ended; restarting after back-off", instance=self.iid, why=ended.reason, delay=delay
+        )
+        self._set(
+            phase="CrashLoopBackOff",
+            reason=f"{ended.reason}; restart {self.status.restarts + 1} in {delay:.1f}s",
+            pid=0,
+            exit_code=ended.exit_code,
+            oom_killed=ended.oom_killed,
+            restarts=self.status.restarts + 1,
+        )
+        await self._sleep(delay)
+
+    async def _stop_engine(self) -> None:
+        if self._ftl is not None:
+            self._ftl.cancel()
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            try:
+                record = await asyncio.to_thread(stop, handle, self.ctx.settings.stop_grace_s)
+            except (OSError, KunlunError) as e:
+                log.error("could not stop the engine", instance=self.iid, error=str(e))
+                return
+            log.info("engine stopped", instance=self.iid, cause=record.cause if record else None)
+
+    async def _shutdown(self) -> None:
+        await self._stop_engine()
+        self._set(phase="Stopped", reason=self.stop_reason, pid=0)
+
+
+def read_saved(instance_dir: Path) -> dict[str, Any] | None:
+    """The worker's `agent.json` of an instance dir, or None."""
+    try:
+        data = json.loads((instance_dir / AGENT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

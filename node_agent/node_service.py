@@ -1,0 +1,106 @@
+"""The agent's own gRPC NodeService: what must come from the node itself (instance logs), for replicas.
+
+mTLS with the agent's certificate (its SANs: the node name, 127.0.0.1, localhost; replicas dial the
+advertised `RegisterNode.node_service` address and check the node name). A caller must present a
+certificate signed by the cluster CA with role `replica`; anything else is refused.
+
+`Logs(instance_id, tail, follow)`: the engine's lines from the supervisor's rotating log files
+(`executor/logfiles.py`): the last `tail` lines (0: all kept), then, with `follow`, every new line
+until the caller cancels or the instance is removed from the node. Lines come whole, in order, each
+exactly once, in chunks of at most CHUNK_LINES.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from kunlun_common import tls
+from kunlun_common.api import agent_pb2, agent_pb2_grpc
+from kunlun_common.errors import ConfigError
+from node_agent.executor.logfiles import LogFollower, LogSettings
+
+log = structlog.get_logger("node-service")
+CHUNK_LINES = 1000
+ALLOWED_ROLES = ("replica",)
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+async def _abort(context: Ctx, code: grpc.StatusCode, msg: str) -> NoReturn:
+    await context.abort(code, msg)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
+    def __init__(self, node: str, instance_dir: Callable[[str], Path | None], poll_s: float = 0.2) -> None:
+        self.node = node
+        self.instance_dir = instance_dir
+        self.poll_s = poll_s
+        self.log_file = LogSettings().file_name
+
+    async def Logs(self, request: agent_pb2.LogsRequest, context: Ctx) -> AsyncIterator[agent_pb2.LogChunk]:
+        ident = tls.peer_identity(context.auth_context())  # type: ignore[arg-type]
+        if ident is None or ident.role not in ALLOWED_ROLES:
+            log.warning("refused Logs call", identity=str(ident), peer=context.peer())
+            await _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{ident or 'a caller without certificate'} may not read logs on node {self.node} "
+                f"(allowed roles: {', '.join(ALLOWED_ROLES)})",
+            )
+        d = self.instance_dir(request.instance_id)
+        if d is None:
+            await _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"instance {request.instance_id!r} has no logs on node {self.node} (not started here yet?)",
+            )
+        follower = LogFollower(d / self.log_file, self.poll_s)
+        try:
+            lines = await asyncio.to_thread(follower.snapshot, max(0, request.tail))
+            for i in range(0, len(lines), CHUNK_LINES):
+                yield agent_pb2.LogChunk(lines=lines[i : i + CHUNK_LINES], instance_id=request.instance_id)
+            if not request.follow:
+                return
+            async for batch in follower.follow(alive=d):
+                for i in range(0, len(batch), CHUNK_LINES):
+                    yield agent_pb2.LogChunk(
+                        lines=batch[i : i + CHUNK_LINES], instance_id=request.instance_id
+                    )
+        finally:
+            follower.close()
+
+
+class NodeServiceServer:
+    """The NodeService gRPC server of one agent."""
+
+    def __init__(self, material: tls.TlsMaterial, servicer: NodeServiceServicer) -> None:
+        self.material = material
+        self.servicer = servicer
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self, listen: str) -> int:
+        """Listen on `listen` (host:port, port 0 picks a free one); return the port."""
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_NodeServiceServicer_to_server(self.servicer, server)
+        try:
+            port = server.add_secure_port(listen, tls.server_credentials(self.material))
+        except RuntimeError as e:
+            raise ConfigError(f"node service: cannot listen on {listen} ({e}); is the port in use?") from None
+        if not port:
+            raise ConfigError(f"node service: cannot listen on {listen}; is the address on this host?")
+        await server.start()
+        self.server, self.port = server, port
+        log.info("node service listening", listen=listen, port=port)
+        return port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+            self.server = None
