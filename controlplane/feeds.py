@@ -13,8 +13,9 @@ from google.protobuf import json_format
 
 from controlplane import keys
 from controlplane.cache import GraphCache
+from controlplane.rollout import CANARY, canary_spec, decode_rollouts
 from controlplane.store import EtcdStore
-from kunlun_common.api import agent_pb2, workload_pb2
+from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
 
 PLACED = ("Scheduled", "Starting", "Running")
 
@@ -76,6 +77,17 @@ class Feeds:
             out[w.id] = w
         return out
 
+    def rollouts(self) -> dict[str, rollout_pb2.Rollout]:
+        """Rollouts by workload id."""
+        return {wid: r for wid, (r, _) in decode_rollouts(self.cache.prefix(keys.ROLLOUTS)).items()}
+
+    def spec_of(
+        self, inst: workload_pb2.Instance, w: workload_pb2.Workload, rollouts: dict[str, rollout_pb2.Rollout]
+    ) -> workload_pb2.WorkloadSpec:
+        """The spec an instance runs: its workload's, or the rollout's canary spec for a canary."""
+        r = rollouts.get(w.id)
+        return canary_spec(w, r) if inst.variant == CANARY and r is not None else w.spec
+
     def instances(self) -> list[workload_pb2.Instance]:
         statuses = {
             keys.last_segment(kv.key): decode_status(kv.value)
@@ -92,6 +104,7 @@ class Feeds:
 
     def assignments_for(self, node: str) -> agent_pb2.Assignments:
         workloads = self._workloads()
+        rollouts = self.rollouts()
         items = []
         for kv in self.cache.prefix(keys.INSTANCES):
             inst = workload_pb2.Instance()
@@ -103,7 +116,7 @@ class Feeds:
                 agent_pb2.Assignment(
                     instance_id=inst.id,
                     workload_id=inst.workload_id,
-                    spec=w.spec,
+                    spec=self.spec_of(inst, w, rollouts),
                     devices=list(inst.target_devices),
                     generation=inst.generation,
                 )
@@ -113,6 +126,7 @@ class Feeds:
 
     def endpoints(self) -> workload_pb2.EndpointsSnapshot:
         workloads = self._workloads()
+        rollouts = self.rollouts()
         eps = []
         for inst in self.instances():
             w = workloads.get(inst.workload_id)
@@ -122,8 +136,9 @@ class Feeds:
                         instance_id=inst.id,
                         address=inst.endpoint,
                         workload=w.spec.name,
-                        model=w.spec.model,
+                        model=self.spec_of(inst, w, rollouts).model,
                         node=inst.node,
+                        variant=inst.variant,
                     )
                 )
         eps.sort(key=lambda e: e.instance_id)

@@ -23,6 +23,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | gateway-policies/<workload>        | API (GatewayService)  | {"schema","workload","policy","balance_factor","prefix_chars","by","at_ms"} | - |
 | gateways/<gateway>                 | replica for gateway   | GatewayInfo (proto JSON): name, address, pid, version, replica | gateway lease |
 | instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
+| rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction
 that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
@@ -58,6 +59,7 @@ SCHEDULER_CONFIG = ROOT + "scheduler/config"
 INSTANCES = ROOT + "instances/"
 ALLOC = ROOT + "alloc/"
 INSTANCE_STATUS = ROOT + "instance-status/"
+ROLLOUTS = ROOT + "rollouts/"
 SCHEMA = 1
 
 
@@ -138,3 +140,7 @@ def alloc_device(key: str) -> str:
 
 def instance_status(iid: str) -> str:
     return INSTANCE_STATUS + iid
+
+
+def rollout(wid: str) -> str:
+    return ROLLOUTS + wid

@@ -17,11 +17,13 @@ from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.rollout_service import RolloutService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.nodes import NodeSessions
+from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
@@ -31,6 +33,7 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2_grpc,
+    rollout_pb2_grpc,
     workload_pb2_grpc,
 )
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
@@ -65,12 +68,13 @@ class Replica:
         self.feeds = Feeds(self.store)
         self.lifecycle = NodeLifecycle(self.store)
         self.scheduler = SchedulerLoop(self.store, settings.name)
+        self.rollouts = RolloutLoop(self.store, settings.name)
         self.elector = Elector(
             self.store,
             settings.name,
             settings.advertise_address,
             settings.election,
-            loops=[self._lifecycle_loop, self.scheduler.run],
+            loops=[self._lifecycle_loop, self.scheduler.run, self.rollouts.run],
         )
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -154,6 +158,7 @@ class Replica:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

@@ -47,7 +47,7 @@ class GatewayCluster(LocalCluster):
 @pytest.fixture(scope="module")
 def gcluster(request: pytest.FixtureRequest) -> Iterator[GatewayCluster]:
     base = Path(tempfile.mkdtemp(prefix="kunlun-gw-cluster-", dir=FAST_TMP))
-    c = GatewayCluster(ClusterSpec(base_dir=base, node_configs=(), extra_nodes=(NODE,)))
+    c = GatewayCluster(ClusterSpec(base_dir=base, node_configs=(), extra_nodes=(NODE,), gateways=0))
     try:
         c.start()
         agent = ManagedProcess(

@@ -46,6 +46,11 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.GatewayService/ListGateways": READERS,
     "/kunlun.v1.GatewayService/WatchGatewayConfig": ("gateway", "operator"),
     "/kunlun.v1.WorkloadService/WatchEndpoints": ("gateway", "operator", "viewer"),
+    "/kunlun.v1.RolloutService/CreateRollout": WRITERS,
+    "/kunlun.v1.RolloutService/PromoteRollout": WRITERS,
+    "/kunlun.v1.RolloutService/AbortRollout": WRITERS,
+    "/kunlun.v1.RolloutService/GetRollout": READERS,
+    "/kunlun.v1.RolloutService/ListRollouts": READERS,
 }
 
 

@@ -35,6 +35,7 @@ from controlplane.api.auth import Ctx, abort, authorize
 from controlplane.feeds import Feeds
 from controlplane.gateway.auth import key_hash
 from controlplane.gateway.settings import POLICIES
+from controlplane.rollout import live_rollout
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from controlplane.workloads.spec import NAME_RE
@@ -340,7 +341,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             w = workload_pb2.Workload()
             keys.decode_message(kv.value, w)
             workloads.append(w)
+        canaries = [
+            gateway_pb2.CanaryWeight(workload=r.workload, weight_pct=r.weight_pct)
+            for r in self.feeds.rollouts().values()
+            if live_rollout(r)
+        ]
         return gateway_pb2.GatewayConfig(
+            canaries=sorted(canaries, key=lambda c: c.workload),
             key_hashes=sorted(hashes),
             policies=sorted(policies, key=lambda p: p.workload),
             workloads=route_states(workloads, self.feeds.instances()),

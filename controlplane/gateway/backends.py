@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -54,6 +56,7 @@ class Backend:
         "port",
         "removed",
         "requests",
+        "variant",
         "workload",
     )
 
@@ -63,6 +66,7 @@ class Backend:
         self.address = ep.address
         self.node = ep.node
         self.model = ep.model
+        self.variant = ep.variant
         self.host, self.port = split_host_port(ep.address, f"endpoint of {ep.instance_id}")
         self.host_header = f"host: {ep.address}\r\n".encode("latin-1")
         self.pool = Pool(self.host, self.port, settings.max_idle_per_instance, settings.connect_timeout_s)
@@ -81,6 +85,8 @@ class Backend:
             "instance_id": self.instance_id,
             "address": self.address,
             "node": self.node,
+            "model": self.model,
+            "variant": self.variant,
             "inflight": self.inflight,
             "requests": self.requests,
             "failures": self.failures,
@@ -92,11 +98,12 @@ class Backend:
 
 
 class WorkloadRoutes:
-    __slots__ = ("backends", "balance_factor", "name", "policy", "prefix_chars")
+    __slots__ = ("backends", "balance_factor", "canaries", "name", "policy", "prefix_chars")
 
     def __init__(self, name: str, policy: Policy, prefix_chars: int, balance_factor: float) -> None:
         self.name = name
         self.backends: list[Backend] = []
+        self.canaries = 0  # backends of variant "canary"
         self.policy = policy
         self.prefix_chars = prefix_chars
         self.balance_factor = balance_factor
@@ -112,6 +119,8 @@ class Registry:
         self.states: dict[str, gateway_pb2.WorkloadRouteState] = {}
         self.revision = -1
         self.synced = False
+        self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
+        self._random = random.Random().random
 
     # ------------------------------------------------------------------ updates
     def apply_endpoints(self, endpoints: Iterable[workload_pb2.Endpoint], revision: int = 0) -> None:
@@ -120,7 +129,7 @@ class Registry:
         grouped: dict[str, list[Backend]] = {}
         for ep in endpoints:
             b = old.get(ep.instance_id)
-            if b is None or b.address != ep.address or b.workload != ep.workload:
+            if b is None or b.address != ep.address or b.workload != ep.workload or b.variant != ep.variant:
                 b = Backend(ep, self.settings)
                 log.info("instance added", workload=ep.workload, instance=ep.instance_id, address=ep.address)
             else:
@@ -139,12 +148,14 @@ class Registry:
             wl = self._routes(name)
             wl.policy.update(backends)
             wl.backends = backends
+            wl.canaries = sum(1 for b in backends if b.variant == "canary")
         self.revision = revision
         self.synced = True
 
     def apply_config(self, cfg: gateway_pb2.GatewayConfig) -> None:
         self.policies = {p.workload: p for p in cfg.policies}
         self.states = {s.name: s for s in cfg.workloads}
+        self.canary_weights = {c.workload: c.weight_pct for c in cfg.canaries}
         for name, wl in self.workloads.items():
             self._set_policy(wl, self.policies.get(name))
 
@@ -171,11 +182,26 @@ class Registry:
         log.info("routing policy", workload=wl.name, policy=name)
 
     # ------------------------------------------------------------------ routing
-    def pick(self, wl: WorkloadRoutes, key: str | None, tried: Sequence[Backend]) -> Backend | str:
-        """An instance for the next attempt, or why there is none."""
+    def variant_for(self, wl: WorkloadRoutes, session: str | None) -> str | None:
+        """The version ("" baseline, "canary") a request goes to, by the workload's canary weight:
+        sticky per session id (a hash of it), else at random. None: the workload has no canary."""
+        if not wl.canaries:
+            return None
+        weight = self.canary_weights.get(wl.name, 0)
+        if weight <= 0 or weight >= 100:
+            return "canary" if weight >= 100 else ""
+        draw = (zlib.crc32(session.encode()) % 10000) / 10000 if session else self._random()
+        return "canary" if draw * 100 < weight else ""
+
+    def pick(
+        self, wl: WorkloadRoutes, key: str | None, tried: Sequence[Backend], variant: str | None = None
+    ) -> Backend | str:
+        """An instance (of `variant`, while it has any) for the next attempt, or why there is none."""
         now = time.monotonic()
         limit = self.settings.max_inflight_per_instance
         backends = wl.backends
+        if variant is not None:
+            backends = [b for b in backends if b.variant == variant] or backends
         cands = [b for b in backends if b.ejected_until <= now and b.inflight < limit and b not in tried]
         if not cands:
             cands = [b for b in backends if b.inflight < limit and b not in tried]  # all ejected: try anyway

@@ -43,6 +43,7 @@ class Exchange:
         "tail",
         "timer",
         "tried",
+        "variant",
         "wl",
     )
 
@@ -55,6 +56,7 @@ class Exchange:
         key: str | None,
         head: bytes,
         tail: bytes,
+        variant: str | None = None,
     ) -> None:
         self.proxy = proxy
         self.client = client
@@ -63,6 +65,7 @@ class Exchange:
         self.key = key
         self.head = head
         self.tail = tail
+        self.variant = variant
         self.tried: list[Backend] = []
         self.backend: Backend | None = None
         self.conn: UpstreamConn | None = None
@@ -81,7 +84,7 @@ class Exchange:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        picked = self.proxy.registry.pick(self.wl, self.key, self.tried)
+        picked = self.proxy.registry.pick(self.wl, self.key, self.tried, self.variant)
         if isinstance(picked, str):
             if self.tried:
                 self._error(502, f"instance {self.last_error}; no other instance to retry on ({picked})")

@@ -224,7 +224,8 @@ class Proxy:
         http = b" HTTP/1.0\r\n" if req.http10 else b" HTTP/1.1\r\n"
         head = b"".join((req.method, b" ", req.url, http))
         tail = b"%scontent-length: %d\r\n\r\n" % (fwd, len(req.body))
-        ex = Exchange(self, client, req, wl, key, head, tail)
+        variant = reg.variant_for(wl, session.decode("latin-1") if session else None) if wl.canaries else None
+        ex = Exchange(self, client, req, wl, key, head, tail, variant)
         client.exchange = ex
         self.inflight += 1
         ex.start()

@@ -65,15 +65,17 @@ def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_T
     return batches
 
 
-def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str) -> Unit:
+def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, variant: str = "") -> Unit:
+    """A Pending instance; a canary (variant "canary") is `<workload id>-c<ordinal>`."""
     inst = workload_pb2.Instance(
-        id=f"{w.id}-{ordinal}",
+        id=f"{w.id}-c{ordinal}" if variant else f"{w.id}-{ordinal}",
         workload_id=w.id,
         workload=w.spec.name,
         ordinal=ordinal,
-        seq=w_kv.create_revision * 10000 + ordinal,
+        seq=w_kv.create_revision * 10000 + ordinal + (5000 if variant else 0),
         enqueued_at_unix_ms=now_ms(),
         generation=w.generation,
+        variant=variant,
     )
     event(inst, "Pending", by, "waiting for placement")
     key = keys.instance(inst.id)

@@ -16,6 +16,7 @@ import structlog
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.rollout import CANARY, canary_count
 from controlplane.scheduler.actions import (
     Unit,
     create_instance,
@@ -28,7 +29,8 @@ from controlplane.scheduler.actions import (
 from controlplane.scheduler.model import Placement
 from controlplane.scheduler.plan import schedule
 from controlplane.scheduler.snapshot import PLACED, ClusterState, decode_state, graph_snapshot, queue_inputs
-from controlplane.store import Compare, DeleteOp, EtcdStore, Op
+from controlplane.store import KV, Compare, DeleteOp, EtcdStore, Op
+from kunlun_common.api import workload_pb2
 from kunlun_common.errors import TemporaryError
 from kunlun_common.names import DEVICE_TYPES
 
@@ -91,18 +93,21 @@ class SchedulerLoop:
         """Instances to create or remove so each workload has `replicas` instances; deletions."""
         units: list[Unit] = []
         by_workload: dict[str, list[tuple[int, str]]] = {}
+        canaries: dict[str, list[tuple[int, str]]] = {}
         for inst, kv in st.instances.values():
             if inst.workload_id not in st.workloads:
                 units.append(remove_instance(inst, kv, st.allocs))  # orphan
                 continue
-            by_workload.setdefault(inst.workload_id, []).append((inst.ordinal, inst.id))
+            group = canaries if inst.variant == CANARY else by_workload
+            group.setdefault(inst.workload_id, []).append((inst.ordinal, inst.id))
         for wid, (w, wkv) in st.workloads.items():
+            units += self._canary_units(st, w, wkv, canaries.get(wid, []))
             have = {o for o, _ in by_workload.get(wid, [])}
             if w.deleting:
                 for _, iid in by_workload.get(wid, []):
                     inst, kv = st.instances[iid]
                     units.append(remove_instance(inst, kv, st.allocs))
-                if not have:
+                if not have and not canaries.get(wid):
                     ops: list[Op] = [DeleteOp(wkv.key), DeleteOp(keys.workload_name(w.spec.name))]
                     units.append(
                         Unit(
@@ -131,6 +136,20 @@ class SchedulerLoop:
                         [DeleteOp(kv.key)],
                     )
                 )
+        return units
+
+    def _canary_units(
+        self, st: ClusterState, w: workload_pb2.Workload, wkv: KV, have: list[tuple[int, str]]
+    ) -> list[Unit]:
+        """Canary instances to create or remove so their count follows the rollout's weight."""
+        want = canary_count(w, st.rollouts.get(w.id))
+        units = [
+            create_instance(w, wkv, o, self.by, CANARY) for o in range(want) if o not in {h[0] for h in have}
+        ]
+        for ordinal, iid in have:
+            if ordinal >= want:
+                inst, kv = st.instances[iid]
+                units.append(remove_instance(inst, kv, st.allocs))
         return units
 
     def reschedule_units(self, st: ClusterState, now: float) -> list[Unit]:

@@ -18,7 +18,7 @@ from controlplane.scheduler.model import (
     WorkloadReq,
 )
 from controlplane.store import KV
-from kunlun_common.api import types_pb2, workload_pb2
+from kunlun_common.api import rollout_pb2, types_pb2, workload_pb2
 
 STATUS = {
     types_pb2.DEVICE_STATUS_READY: "Ready",
@@ -42,6 +42,7 @@ class ClusterState:
     workloads: dict[str, tuple[workload_pb2.Workload, KV]] = field(default_factory=dict)
     instances: dict[str, tuple[workload_pb2.Instance, KV]] = field(default_factory=dict)
     allocs: dict[str, tuple[str, KV]] = field(default_factory=dict)
+    rollouts: dict[str, rollout_pb2.Rollout] = field(default_factory=dict)  # by workload id
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     config_error: str = ""
 
@@ -71,6 +72,10 @@ def decode_state(kvs: Mapping[str, KV], revision: int) -> ClusterState:
             st.instances[i.id] = (i, kv)
         elif key.startswith(keys.ALLOC):
             st.allocs[keys.alloc_device(key)] = (str(keys.decode(kv.value)["instance"]), kv)
+        elif key.startswith(keys.ROLLOUTS):
+            r = rollout_pb2.Rollout()
+            keys.decode_message(kv.value, r)
+            st.rollouts[r.workload_id] = r
         elif key == keys.SCHEDULER_CONFIG:
             try:
                 st.config = parse_scheduler_config(str(keys.decode(kv.value)["yaml"]))

@@ -454,6 +454,31 @@ class WorkloadRouteState(_message.Message):
 Global___WorkloadRouteState: _TypeAlias = WorkloadRouteState  # noqa: Y015
 
 @_typing.final
+class CanaryWeight(_message.Message):
+    """Share of a workload's requests that goes to its canary instances during a rollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    WEIGHT_PCT_FIELD_NUMBER: _builtins.int
+    workload: _builtins.str
+    weight_pct: _builtins.int
+    """0..100."""
+    def __init__(
+        self,
+        *,
+        workload: _builtins.str = ...,
+        weight_pct: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["weight_pct", b"weight_pct", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CanaryWeight: _TypeAlias = CanaryWeight  # noqa: Y015
+
+@_typing.final
 class WatchGatewayConfigRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -478,6 +503,7 @@ class GatewayConfig(_message.Message):
     POLICIES_FIELD_NUMBER: _builtins.int
     WORKLOADS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    CANARIES_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     @_builtins.property
     def key_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -487,6 +513,10 @@ class GatewayConfig(_message.Message):
     def policies(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoutingPolicy]: ...
     @_builtins.property
     def workloads(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkloadRouteState]: ...
+    @_builtins.property
+    def canaries(self) -> _containers.RepeatedCompositeFieldContainer[Global___CanaryWeight]:
+        """Workloads in a rollout with a canary weight above 0."""
+
     def __init__(
         self,
         *,
@@ -494,10 +524,11 @@ class GatewayConfig(_message.Message):
         policies: _abc.Iterable[Global___RoutingPolicy] | None = ...,
         workloads: _abc.Iterable[Global___WorkloadRouteState] | None = ...,
         revision: _builtins.int = ...,
+        canaries: _abc.Iterable[Global___CanaryWeight] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_hashes", b"key_hashes", "policies", b"policies", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canaries", b"canaries", "key_hashes", b"key_hashes", "policies", b"policies", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

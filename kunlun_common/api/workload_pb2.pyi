@@ -249,6 +249,7 @@ class Instance(_message.Message):
     LAUNCH_DEVICE_NODES_FIELD_NUMBER: _builtins.int
     PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     workload_id: _builtins.str
     workload: _builtins.str
@@ -270,6 +271,8 @@ class Instance(_message.Message):
     ready_at_unix_ms: _builtins.int
     prepare_seconds: _builtins.float
     first_token_ms: _builtins.float
+    variant: _builtins.str
+    """"" for the workload's baseline spec, "canary" for an instance of its rollout's canary model."""
     @_builtins.property
     def target_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """`<node>/<type>:<index>` of every device it holds."""
@@ -312,10 +315,11 @@ class Instance(_message.Message):
         launch_device_nodes: _abc.Iterable[_builtins.str] | None = ...,
         prepare_seconds: _builtins.float = ...,
         first_token_ms: _builtins.float = ...,
+        variant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "seq", b"seq", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "seq", b"seq", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -656,12 +660,15 @@ class Endpoint(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     address: _builtins.str
     workload: _builtins.str
     model: _builtins.str
     """Model version served ("" for the baseline; the canary's model otherwise)."""
     node: _builtins.str
+    variant: _builtins.str
+    """"" (baseline) or "canary" (an instance of the workload's rollout)."""
     def __init__(
         self,
         *,
@@ -670,10 +677,11 @@ class Endpoint(_message.Message):
         workload: _builtins.str = ...,
         model: _builtins.str = ...,
         node: _builtins.str = ...,
+        variant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "model", b"model", "node", b"node", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_id", b"instance_id", "model", b"model", "node", b"node", "variant", b"variant", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
