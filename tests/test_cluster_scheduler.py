@@ -313,3 +313,51 @@ def test_int8_refused_on_a_device_declared_fp16_only(cluster: LocalCluster, tmp_
         assert reasons["node-a"] == "PinMismatch"
     finally:
         proc.kill()
+
+
+def test_rollout_by_hand_replaces_the_model(cluster: LocalCluster, tmp_path: Path) -> None:
+    submit(cluster, name="svc", model="qwen-v1", replicas=2)
+    wait_for(lambda: placed(cluster, "svc", 2), 30, "baseline placed")
+    r = _cli(
+        cluster, tmp_path, "rollout", "create", "svc", "--model", "qwen-v2", "--canary", "50%", "-o", "json"
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["canary_weight_pct"] == 50
+
+    def models() -> list[str]:
+        out = []
+        for i in get(cluster, "svc").instances:
+            cmd = list(i.launch_command)
+            if "--model-path" in cmd and i.phase == "Running":
+                out.append(cmd[cmd.index("--model-path") + 1])
+        return sorted(out)
+
+    wait_for(
+        lambda: "qwen-v2" in models() and models().count("qwen-v1") == 2, 60, "a canary next to the baseline"
+    )
+    for _ in range(2):
+        assert _cli(cluster, tmp_path, "rollout", "promote", "svc").returncode == 0
+        wait_for(
+            lambda: (
+                json.loads(_cli(cluster, tmp_path, "rollout", "status", "svc", "-o", "json").stdout)[
+                    "canary_weight_pct"
+                ]
+                == 100
+                or json.loads(_cli(cluster, tmp_path, "rollout", "status", "svc", "-o", "json").stdout)[
+                    "phase"
+                ]
+                == "Completed"
+            ),
+            60,
+            "the promotion applied",
+        )
+    wait_for(
+        lambda: (
+            json.loads(_cli(cluster, tmp_path, "rollout", "status", "svc", "-o", "json").stdout)["phase"]
+            == "Completed"
+        ),
+        60,
+        "completed",
+    )
+    assert get(cluster, "svc").workload.spec.model == "qwen-v2"
+    wait_for(lambda: models() == ["qwen-v2", "qwen-v2"], 90, "nothing serves the old model")

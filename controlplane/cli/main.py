@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, workload_cmd
+from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, rollout_cmd, workload_cmd
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
 from kunlun_common.errors import ConfigError, KunlunError
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
+    rollout_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
     return p
 
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:  # e.g. `kunlun-cli ... | head`
+        code = 0
     sys.exit(code)
 
 

@@ -1,0 +1,164 @@
+"""`kunlun-cli rollout create|promote|abort|status|list` — canary rollouts of a workload."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any
+
+from controlplane.cli.client import CliError
+from controlplane.cli.output import print_json, print_table
+from kunlun_common.api import rollout_pb2, rollout_pb2_grpc
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    r = sub.add_parser(
+        "rollout", help="canary rollouts of a workload to a new model version", parents=[common]
+    )
+    rs = r.add_subparsers(dest="cmd", required=True)
+    c = rs.add_parser(
+        "create",
+        help="start canary instances of a new model and send them a share of traffic",
+        parents=[common],
+    )
+    c.add_argument("workload")
+    c.add_argument("--model", required=True, help="the new model (path or name)")
+    c.add_argument(
+        "--engine-args", default="", help="extra engine arguments for the new version (one string)"
+    )
+    c.add_argument("--canary", default="10%", help="first traffic share, e.g. 10%% (default)")
+    c.add_argument(
+        "--steps", default="", help="automatic steps, e.g. 10,25,50,100 (without: promote by hand)"
+    )
+    c.add_argument("--interval", default="2m", help="time per step with --steps, e.g. 30s, 2m (default 2m)")
+    c.set_defaults(handler=create)
+    for name, helptext, fn in (
+        ("promote", "move to the next step (or to 100%%)", promote),
+        ("abort", "stop the canary: weight 0, canary instances removed, baseline untouched", abort),
+        ("status", "step, weights, phase and reason", status),
+    ):
+        p = rs.add_parser(name, help=helptext, parents=[common])
+        p.add_argument("workload")
+        p.set_defaults(handler=fn)
+    ls = rs.add_parser("list", help="every rollout", parents=[common])
+    ls.set_defaults(handler=list_rollouts)
+
+
+def _pct(text: str, what: str) -> int:
+    m = re.fullmatch(r"\s*(\d{1,3})\s*%?\s*", text)
+    if not m or not 0 < int(m[1]) <= 100:
+        raise CliError(f"{what}: expected a share like 10% (1..100), found {text!r}")
+    return int(m[1])
+
+
+def _seconds(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*(s|m|h)?\s*", text)
+    if not m:
+        raise CliError(f"--interval: expected a duration like 30s, 2m or 1h, found {text!r}")
+    return int(m[1]) * {"s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
+
+
+def _call(args: argparse.Namespace, method: str, req: Any) -> Any:
+    from controlplane.cli.main import make_client
+
+    client = make_client(args)
+    return client.call_stub(rollout_pb2_grpc.RolloutServiceStub, lambda s: getattr(s, method), req)
+
+
+def rollout_json(r: rollout_pb2.Rollout) -> dict[str, Any]:
+    return {
+        "workload": r.workload,
+        "workload_id": r.workload_id,
+        "phase": r.phase,
+        "step": r.step,
+        "steps": list(r.spec.steps),
+        "canary_weight_pct": r.weight_pct,
+        "baseline_weight_pct": 100 - r.weight_pct,
+        "baseline_model": r.baseline_model,
+        "canary_model": r.spec.model,
+        "interval_s": r.spec.interval_s,
+        "reason": r.reason,
+        "created_by": r.created_by,
+        "created_at_unix_ms": r.created_at_unix_ms,
+        "history": [
+            {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in r.history
+        ],
+    }
+
+
+def _show(args: argparse.Namespace, r: rollout_pb2.Rollout, verb: str) -> int:
+    if args.output == "json":
+        print_json(rollout_json(r))
+    else:
+        print(f"rollout of {r.workload} {verb}: {r.phase}, canary {r.spec.model} at {r.weight_pct}%")
+    return 0
+
+
+def create(args: argparse.Namespace) -> int:
+    first = _pct(args.canary, "--canary")
+    steps = [_pct(s, "--steps") for s in args.steps.split(",") if s.strip()] if args.steps else []
+    spec = rollout_pb2.RolloutSpec(
+        workload=args.workload,
+        model=args.model,
+        engine_args=args.engine_args.split() if args.engine_args else [],
+        steps=steps,
+        interval_s=_seconds(args.interval),
+        canary_pct=first,
+    )
+    return _show(args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), "created")
+
+
+def promote(args: argparse.Namespace) -> int:
+    return _show(
+        args,
+        _call(args, "PromoteRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
+        "promotion requested",
+    )
+
+
+def abort(args: argparse.Namespace) -> int:
+    return _show(
+        args,
+        _call(args, "AbortRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
+        "abort requested",
+    )
+
+
+def status(args: argparse.Namespace) -> int:
+    r = _call(args, "GetRollout", rollout_pb2.RolloutRequest(workload=args.workload))
+    d = rollout_json(r)
+    if args.output == "json":
+        print_json(d)
+        return 0
+    print(f"Workload:  {d['workload']}\nPhase:     {d['phase']}  {d['reason']}")
+    if d["phase"] == "Completed":
+        print(
+            f"Weights:   {d['canary_model']} 100% (the workload's model now; {d['baseline_model']} is gone)"
+        )
+    else:
+        print(
+            f"Weights:   baseline {d['baseline_model']} {d['baseline_weight_pct']}%  /  "
+            f"canary {d['canary_model']} {d['canary_weight_pct']}%"
+        )
+    print(f"Step:      {d['step']} of {d['steps'] or 'manual (promote)'}")
+    for h in d["history"]:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
+        print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
+    return 0
+
+
+def list_rollouts(args: argparse.Namespace) -> int:
+    resp = _call(args, "ListRollouts", rollout_pb2.ListRolloutsRequest())
+    items = [rollout_json(r) for r in resp.rollouts]
+    if args.output == "json":
+        print_json({"items": items})
+    else:
+        print_table(
+            ["WORKLOAD", "PHASE", "CANARY", "WEIGHT", "STEP"],
+            [
+                [i["workload"], i["phase"], i["canary_model"], f"{i['canary_weight_pct']}%", i["step"]]
+                for i in items
+            ],
+        )
+    return 0
