@@ -22,6 +22,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | gateway-keys/<id>                  | API (GatewayService)  | {"schema","id","name","hash" (SHA-256; the secret is never stored),"prefix",...} | - |
 | gateway-policies/<workload>        | API (GatewayService)  | {"schema","workload","policy","balance_factor","prefix_chars","by","at_ms"} | - |
 | gateways/<gateway>                 | replica for gateway   | GatewayInfo (proto JSON): name, address, pid, version, replica | gateway lease |
+| gateway-stats/<gateway>            | replica for gateway   | GatewayStats (proto JSON): the gateway's cumulative requests, errors, latency buckets per workload and version; written when changed, at most every 3 s | gateway lease |
 | instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 
@@ -60,6 +61,7 @@ INSTANCES = ROOT + "instances/"
 ALLOC = ROOT + "alloc/"
 INSTANCE_STATUS = ROOT + "instance-status/"
 ROLLOUTS = ROOT + "rollouts/"
+GATEWAY_STATS = ROOT + "gateway-stats/"
 SCHEMA = 1
 
 
@@ -144,3 +146,7 @@ def instance_status(iid: str) -> str:
 
 def rollout(wid: str) -> str:
     return ROLLOUTS + wid
+
+
+def gateway_stats(name: str) -> str:
+    return GATEWAY_STATS + name

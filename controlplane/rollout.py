@@ -6,6 +6,16 @@ continues where the old one stopped:
 
     Progressing (step i, weight steps[i]) --interval elapsed or promote--> step i+1 ... --> Completed
     Progressing --abort--> Aborted (weight 0; the scheduler removes the canary instances)
+    Progressing --failed analysis--> Degraded (as Aborted, with the numbers that failed)
+
+The analysis: at the end of every step interval and before every promote, the leader sums the
+gateways' counters (`gateway-stats/<gateway>`, written by the replicas from the gateways'
+heartbeats) minus those recorded when the step started, per version, and compares the canary with
+the baseline (`analyse`): its error rate must stay below max_error_rate and its p95 latency within
+max_p95_increase of the baseline's (differences under min_p95_delta_ms ignored), once both saw
+min_requests in the step. Until then an interval step waits ("waiting for N requests"); a promote
+goes ahead (the operator decided) with the analysis it could make. At 100% the baseline gets no
+requests: only the canary's error rate is checked.
 
 Without explicit steps the steps are [canary_pct, 100] and only `rollout promote` moves them on.
 On completion the workload's spec takes the canary's model (and engine args), a new generation: the
@@ -25,14 +35,21 @@ import structlog
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.gateway.stats import quantile_ms
 from controlplane.store import KV, Compare, EtcdStore, PutOp
-from kunlun_common.api import rollout_pb2, workload_pb2
+from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
 from kunlun_common.errors import TemporaryError
 
 log = structlog.get_logger("rollout")
 PROGRESSING = "Progressing"
 COMPLETED = "Completed"
 ABORTED = "Aborted"
+DEGRADED = "Degraded"
+PASSED, FAILED, WAITING = "Passed", "Failed", "Waiting"
+DEFAULT_MAX_ERROR_RATE = 0.001
+DEFAULT_MAX_P95_INCREASE = 0.05
+DEFAULT_MIN_P95_DELTA_MS = 20.0
+DEFAULT_MIN_REQUESTS = 50
 DEFAULT_INTERVAL_S = 120
 CANARY = "canary"
 
@@ -74,8 +91,119 @@ def _event(r: rollout_pb2.Rollout, phase: str, by: str, reason: str) -> None:
     del r.history[:-50]
 
 
-def advance(r: rollout_pb2.Rollout, now: int, by: str) -> rollout_pb2.Rollout | None:
-    """The rollout's next state (pure), or None when nothing changes now."""
+class Totals:
+    """One version's requests, errors and latency buckets, summed."""
+
+    __slots__ = ("buckets", "errors", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.errors = 0
+        self.buckets: list[int] = []
+
+    def add(self, requests: int, errors: int, buckets: list[int]) -> None:
+        self.requests += requests
+        self.errors += errors
+        if len(self.buckets) < len(buckets):
+            self.buckets.extend([0] * (len(buckets) - len(self.buckets)))
+        for i, n in enumerate(buckets):
+            self.buckets[i] += n
+
+
+def step_totals(
+    workload: str, start: list[gateway_pb2.GatewayStats], current: list[gateway_pb2.GatewayStats]
+) -> dict[str, Totals]:
+    """Per version ("" baseline, "canary"): the workload's counters over all gateways since the
+    step started. A gateway that restarted since (other start time, or a counter went down)
+    counts from zero; one that went away is missing (its requests since the step started too)."""
+    before = {g.gateway: g for g in start}
+    out = {"": Totals(), CANARY: Totals()}
+    for g in current:
+        old = before.get(g.gateway)
+        olds = {}
+        if old is not None and old.started_at_unix_ms == g.started_at_unix_ms:
+            olds = {(v.workload, v.variant): v for v in old.stats}
+        for v in g.stats:
+            if v.workload != workload or v.variant not in out:
+                continue
+            buckets = list(v.latency_buckets)
+            o = olds.get((v.workload, v.variant))
+            if o is not None:
+                delta = [
+                    n - (o.latency_buckets[i] if i < len(o.latency_buckets) else 0)
+                    for i, n in enumerate(buckets)
+                ]
+                if v.requests >= o.requests and v.errors >= o.errors and min(delta, default=0) >= 0:
+                    out[v.variant].add(v.requests - o.requests, v.errors - o.errors, delta)
+                    continue
+            out[v.variant].add(v.requests, v.errors, buckets)
+    return out
+
+
+def _version(t: Totals) -> rollout_pb2.VersionStats:
+    return rollout_pb2.VersionStats(
+        requests=t.requests,
+        errors=t.errors,
+        error_rate=t.errors / t.requests if t.requests else 0.0,
+        p50_ms=round(quantile_ms(t.buckets, 0.50), 2),
+        p95_ms=round(quantile_ms(t.buckets, 0.95), 2),
+    )
+
+
+def analyse(
+    spec: rollout_pb2.RolloutSpec, baseline: Totals, canary: Totals, with_baseline: bool = True
+) -> rollout_pb2.RolloutAnalysis:
+    """Canary vs baseline over one step (pure). `with_baseline` False (canary at 100%): only the
+    canary's error rate and request count are checked."""
+    max_err = spec.max_error_rate if spec.HasField("max_error_rate") else DEFAULT_MAX_ERROR_RATE
+    max_inc = spec.max_p95_increase if spec.HasField("max_p95_increase") else DEFAULT_MAX_P95_INCREASE
+    floor = spec.min_p95_delta_ms if spec.HasField("min_p95_delta_ms") else DEFAULT_MIN_P95_DELTA_MS
+    min_req = spec.min_requests if spec.HasField("min_requests") else DEFAULT_MIN_REQUESTS
+    a = rollout_pb2.RolloutAnalysis(baseline=_version(baseline), canary=_version(canary))
+    b, c = a.baseline, a.canary
+    if with_baseline and b.p95_ms > 0:
+        a.p95_deviation = round((c.p95_ms - b.p95_ms) / b.p95_ms, 4)
+    missing = max(0, min_req - c.requests) + (max(0, min_req - b.requests) if with_baseline else 0)
+    if missing:
+        a.verdict = WAITING
+        seen = f"canary {c.requests}" + (f", baseline {b.requests}" if with_baseline else "")
+        a.reason = f"waiting for {missing} requests ({seen}; {min_req} each needed)"
+        return a
+    failed = []
+    if c.error_rate >= max_err:
+        failed.append(
+            f"canary error rate {c.error_rate:.2%} ({c.errors}/{c.requests}) >= max {max_err:.2%}"
+            + (f" (baseline {b.error_rate:.2%})" if with_baseline else "")
+        )
+    delta = c.p95_ms - b.p95_ms
+    if with_baseline and delta > b.p95_ms * max_inc and delta >= floor:
+        failed.append(
+            f"canary p95 {c.p95_ms:g} ms is {a.p95_deviation:+.1%} vs baseline {b.p95_ms:g} ms "
+            f"(max +{max_inc:.1%}, differences under {floor:g} ms ignored)"
+        )
+    a.verdict = FAILED if failed else PASSED
+    a.reason = "; ".join(failed) or (
+        f"canary error rate {c.error_rate:.2%}, p95 {c.p95_ms:g} ms"
+        + (f" (baseline {b.error_rate:.2%}, {b.p95_ms:g} ms)" if with_baseline else "")
+    )
+    return a
+
+
+def step_analysis(
+    r: rollout_pb2.Rollout, stats: list[gateway_pb2.GatewayStats], now: int
+) -> rollout_pb2.RolloutAnalysis:
+    t = step_totals(r.workload, list(r.step_start_stats), stats)
+    a = analyse(r.spec, t[""], t[CANARY], with_baseline=r.weight_pct < 100)
+    a.at_unix_ms = now
+    a.step = r.step
+    return a
+
+
+def advance(
+    r: rollout_pb2.Rollout, now: int, by: str, stats: list[gateway_pb2.GatewayStats] | None = None
+) -> rollout_pb2.Rollout | None:
+    """The rollout's next state (pure), or None when nothing changes now. `stats`: every
+    gateway's current counters, for the analysis at the end of a step."""
     if r.phase != PROGRESSING:
         return None
     new = rollout_pb2.Rollout()
@@ -87,13 +215,37 @@ def advance(r: rollout_pb2.Rollout, now: int, by: str) -> rollout_pb2.Rollout | 
     steps = steps_of(r.spec)
     interval_ms = (r.spec.interval_s or DEFAULT_INTERVAL_S) * 1000
     reason = ""
-    if r.promotions_requested > r.promotions_applied:
-        new.promotions_applied = r.promotions_applied + 1
+    promoting = r.promotions_requested > r.promotions_applied
+    if promoting:
         reason = "promoted"
     elif r.spec.steps and now - r.step_started_at_unix_ms >= interval_ms:
         reason = f"interval of {interval_ms // 1000}s elapsed"
     if not reason:
         return None
+    a = step_analysis(r, stats or [], now)
+    new.last_analysis.CopyFrom(a)
+    if a.verdict == FAILED:
+        new.weight_pct = 0
+        _event(
+            new,
+            DEGRADED,
+            by,
+            f"analysis failed at step {r.step + 1}: {a.reason}; canary removed, baseline untouched",
+        )
+        return new
+    if a.verdict == WAITING:
+        if not promoting:
+            if r.reason == a.reason:
+                return None
+            new.reason = a.reason
+            return new
+        reason += f" (analysis incomplete: {a.reason})"
+    else:
+        reason += f", analysis passed ({a.reason})"
+    if promoting:
+        new.promotions_applied = r.promotions_applied + 1
+    del new.step_start_stats[:]
+    new.step_start_stats.extend(stats or [])
     if r.step + 1 >= len(steps) or r.weight_pct >= 100:
         new.weight_pct = 0
         _event(new, COMPLETED, by, f"{reason}; {r.spec.model} is the workload's model now")
@@ -123,6 +275,15 @@ def completed_workload(w: workload_pb2.Workload, r: rollout_pb2.Rollout, by: str
         )
     )
     return new
+
+
+def gateway_stats(kvs: list[KV]) -> list[gateway_pb2.GatewayStats]:
+    out = []
+    for kv in kvs:
+        g = gateway_pb2.GatewayStats()
+        keys.decode_message(kv.value, g)
+        out.append(g)
+    return sorted(out, key=lambda g: g.gateway)
 
 
 def decode_rollouts(kvs: list[KV]) -> dict[str, tuple[rollout_pb2.Rollout, KV]]:
@@ -156,8 +317,10 @@ class RolloutLoop:
 
     async def tick(self, fence: Fence, cache: GraphCache) -> None:
         now = now_ms()
-        for r, kv in decode_rollouts(cache.prefix(keys.ROLLOUTS)).values():
-            new = advance(r, now, self.by)
+        rollouts = decode_rollouts(cache.prefix(keys.ROLLOUTS)).values()
+        stats = gateway_stats(cache.prefix(keys.GATEWAY_STATS)) if rollouts else []
+        for r, kv in rollouts:
+            new = advance(r, now, self.by, stats)
             if new is None:
                 continue
             compares = [Compare.unchanged(kv.key, kv.mod_revision)]

@@ -82,6 +82,7 @@ devices:
 def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     """This module's own cluster (see the module docstring); agents inherit AGENT_SECRET."""
     base = Path(tempfile.mkdtemp(prefix="kunlun-exec-", dir=FAST_TMP))
+    _BASES.append(base)
     os.environ[AGENT_SECRET] = "must-not-reach-engines"
     try:
         c = start_cluster(base, agent_args=AGENT_ARGS, extra_nodes=("node-x", "node-c"))
@@ -180,6 +181,9 @@ def instance_dir(cluster: LocalCluster, node: str, iid: str) -> Path:
     return cluster.base / "agents" / node / "instances" / iid
 
 
+_BASES: list[Path] = []
+
+
 def engine_pids(served_name: str) -> list[int]:
     """Host pids of the test engines serving `served_name` (found by command line)."""
     out = []
@@ -191,6 +195,11 @@ def engine_pids(served_name: str) -> list[int]:
         except OSError:
             continue
         if argv[1:3] == [b"-m", b"node_agent.testengine"] and served_name.encode() in argv:
+            try:  # only this module's engines (a demo cluster on the same machine may serve the same names)
+                if _BASES and not os.readlink(p / "cwd").startswith(str(_BASES[-1])):
+                    continue
+            except OSError:
+                continue
             out.append(int(p.name))
     return out
 

@@ -13,10 +13,15 @@ Gateways hold no etcd credentials; everything they need comes through here (and 
 |                              |                          |  "prefix_chars", "by", "at_ms"}                       |                |
 | gateways/<gateway name>      | replica for its gateway  | GatewayInfo (proto JSON): name, address, pid, version,| gateway lease  |
 |                              |  (Heartbeat)             |  started_at, replica                                  | (ttl 3..60 s)  |
+| gateway-stats/<gateway name> | replica for its gateway  | GatewayStats (proto JSON): cumulative requests, errors| gateway lease  |
+|                              |  (Heartbeat)             |  and latency buckets per workload and version         |                |
 
 A gateway calls Heartbeat every few seconds: the first call (or the first after it moved to
 another replica) grants a lease and writes its record; later calls only refresh that lease (any
-replica can), so a live gateway costs no etcd writes and a dead one disappears after the TTL.
+replica can), so a live idle gateway costs no etcd writes and a dead one disappears after the TTL.
+Heartbeats carry the gateway's cumulative traffic counters; the replica stores them (bound to the
+gateway's lease) when they changed, at most every STATS_MIN_INTERVAL_S per gateway, so the leader's
+rollout analysis sees the traffic of every gateway.
 WatchGatewayConfig pushes the valid key hashes, the policies and each workload's route state
 (phase, ready count and why not ready, from this replica's watch-fed cache) whenever they change.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import collections
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,6 +53,7 @@ GATEWAY_KEYS = keys.ROOT + "gateway-keys/"
 GATEWAY_POLICIES = keys.ROOT + "gateway-policies/"
 GATEWAYS = keys.ROOT + "gateways/"
 _KEY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+STATS_MIN_INTERVAL_S = 3.0
 _GATEWAY_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 
 # The roles allowed per RPC (the same lines belong in controlplane/api/auth.py PERMISSIONS).
@@ -122,6 +129,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         self.store = store
         self.feeds = feeds
         self.replica_name = replica_name
+        # gateway -> (counters last written, when (monotonic), lease they were bound to)
+        self._stats_written: dict[str, tuple[bytes, float, int]] = {}
 
     async def _fail(self, context: Ctx, e: Exception) -> None:
         if isinstance(e, TemporaryError):
@@ -296,6 +305,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 except PermanentError:
                     left = 0  # expired or revoked: register anew
                 if left > 0:
+                    await self._store_stats(request, request.lease)
                     return gateway_pb2.GatewayHeartbeatResponse(
                         lease=request.lease, ttl_s=left, replica=self.replica_name
                     )
@@ -304,10 +314,33 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             rec.CopyFrom(info)
             rec.replica = self.replica_name
             await self.store.put(GATEWAYS + info.name, keys.encode_message(rec), lease)
+            await self._store_stats(request, lease)
         except Exception as e:
             await self._fail(context, e)
             raise
         return gateway_pb2.GatewayHeartbeatResponse(lease=lease, ttl_s=ttl, replica=self.replica_name)
+
+    async def _store_stats(self, request: gateway_pb2.GatewayHeartbeatRequest, lease: int) -> None:
+        """Write the gateway's counters (bound to its lease) when they changed, at most every
+        STATS_MIN_INTERVAL_S; a new lease (registration) writes at once."""
+        if not request.stats:
+            return
+        name = request.info.name
+        stats = gateway_pb2.GatewayStats(
+            gateway=name, started_at_unix_ms=request.info.started_at_unix_ms, stats=request.stats
+        )
+        body = stats.SerializeToString(deterministic=True)
+        now = time.monotonic()
+        last = self._stats_written.get(name)
+        if (
+            last is not None
+            and last[2] == lease
+            and (last[0] == body or now - last[1] < STATS_MIN_INTERVAL_S)
+        ):
+            return
+        stats.at_unix_ms = records.now_ms()
+        await self.store.put(keys.gateway_stats(name), keys.encode_message(stats), lease)
+        self._stats_written[name] = (body, now, lease)
 
     async def ListGateways(
         self, request: gateway_pb2.ListGatewaysRequest, context: Ctx

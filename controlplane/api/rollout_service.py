@@ -1,6 +1,7 @@
 """RolloutService: validate and write a rollout's goal state (`rollouts/<workload id>`).
 
-Create writes the whole record (phase Progressing at the first step); promote and abort only record
+Create writes the whole record (phase Progressing at the first step, with the gateways' counters
+at that moment, the start of the first step's analysis); promote and abort only record
 the request (a counter, a flag) with a compare-and-set. The leader's rollout loop
 (`controlplane/rollout.py`) does the rest with fenced writes.
 """
@@ -11,7 +12,7 @@ import grpc
 
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
-from controlplane.rollout import PROGRESSING, now_ms, steps_of
+from controlplane.rollout import PROGRESSING, gateway_stats, now_ms, steps_of
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads import records
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc, workload_pb2
@@ -31,6 +32,14 @@ def spec_problems(spec: rollout_pb2.RolloutSpec) -> list[str]:
         p.append(f"steps: expected ascending percents in 1..100 ending with 100, found {steps}")
     if spec.interval_s < 0:
         p.append(f"interval: expected >= 0 seconds, found {spec.interval_s}")
+    if spec.HasField("max_error_rate") and not 0 <= spec.max_error_rate <= 1:
+        p.append(f"max_error_rate: expected a fraction in 0..1, found {spec.max_error_rate:g}")
+    if spec.HasField("max_p95_increase") and spec.max_p95_increase < 0:
+        p.append(f"max_p95_increase: expected a fraction >= 0, found {spec.max_p95_increase:g}")
+    if spec.HasField("min_p95_delta_ms") and spec.min_p95_delta_ms < 0:
+        p.append(f"min_p95_delta_ms: expected >= 0, found {spec.min_p95_delta_ms:g}")
+    if spec.HasField("min_requests") and spec.min_requests < 0:
+        p.append(f"min_requests: expected >= 0, found {spec.min_requests}")
     return p
 
 
@@ -71,6 +80,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             w, _ = await records.resolve(self.store, spec.workload)
             old = await self.store.get(keys.rollout(w.id))
+            stats_kvs, _ = await self.store.get_prefix(keys.GATEWAY_STATS)
         except Exception as e:
             await self._fail(context, e)
             raise
@@ -102,6 +112,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             history=[
                 workload_pb2.PhaseEvent(phase=PROGRESSING, at_unix_ms=at, by=str(who), reason="created")
             ],
+            step_start_stats=gateway_stats(stats_kvs),
         )
         r.spec.workload = w.spec.name
         cmp = Compare.unchanged(old.key, old.mod_revision) if old else Compare.absent(keys.rollout(w.id))

@@ -32,11 +32,36 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "--steps", default="", help="automatic steps, e.g. 10,25,50,100 (without: promote by hand)"
     )
     c.add_argument("--interval", default="2m", help="time per step with --steps, e.g. 30s, 2m (default 2m)")
+    c.add_argument(
+        "--max-error-rate",
+        type=float,
+        default=None,
+        help="the canary fails when its error rate (fraction) reaches this (default 0.001)",
+    )
+    c.add_argument(
+        "--max-p95-increase",
+        type=float,
+        default=None,
+        help="the canary fails when its p95 latency exceeds the baseline's by more than this "
+        "fraction (default 0.05)",
+    )
+    c.add_argument(
+        "--min-p95-delta-ms",
+        type=float,
+        default=None,
+        help="p95 differences below this many ms never fail the canary (default 20)",
+    )
+    c.add_argument(
+        "--min-requests",
+        type=int,
+        default=None,
+        help="requests each version needs in a step before it is analysed (default 50)",
+    )
     c.set_defaults(handler=create)
     for name, helptext, fn in (
         ("promote", "move to the next step (or to 100%%)", promote),
         ("abort", "stop the canary: weight 0, canary instances removed, baseline untouched", abort),
-        ("status", "step, weights, phase and reason", status),
+        ("status", "step, weights, phase, reason and the last canary analysis", status),
     ):
         p = rs.add_parser(name, help=helptext, parents=[common])
         p.add_argument("workload")
@@ -78,12 +103,40 @@ def rollout_json(r: rollout_pb2.Rollout) -> dict[str, Any]:
         "baseline_model": r.baseline_model,
         "canary_model": r.spec.model,
         "interval_s": r.spec.interval_s,
+        "thresholds": {
+            "max_error_rate": r.spec.max_error_rate if r.spec.HasField("max_error_rate") else None,
+            "max_p95_increase": r.spec.max_p95_increase if r.spec.HasField("max_p95_increase") else None,
+            "min_p95_delta_ms": r.spec.min_p95_delta_ms if r.spec.HasField("min_p95_delta_ms") else None,
+            "min_requests": r.spec.min_requests if r.spec.HasField("min_requests") else None,
+        },
+        "analysis": analysis_json(r.last_analysis) if r.HasField("last_analysis") else None,
         "reason": r.reason,
         "created_by": r.created_by,
         "created_at_unix_ms": r.created_at_unix_ms,
         "history": [
             {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in r.history
         ],
+    }
+
+
+def analysis_json(a: rollout_pb2.RolloutAnalysis) -> dict[str, Any]:
+    def version(v: rollout_pb2.VersionStats) -> dict[str, Any]:
+        return {
+            "requests": v.requests,
+            "errors": v.errors,
+            "error_rate": v.error_rate,
+            "p50_ms": v.p50_ms,
+            "p95_ms": v.p95_ms,
+        }
+
+    return {
+        "at_unix_ms": a.at_unix_ms,
+        "step": a.step,
+        "baseline": version(a.baseline),
+        "canary": version(a.canary),
+        "p95_deviation": a.p95_deviation,
+        "verdict": a.verdict,
+        "reason": a.reason,
     }
 
 
@@ -106,6 +159,10 @@ def create(args: argparse.Namespace) -> int:
         interval_s=_seconds(args.interval),
         canary_pct=first,
     )
+    for field in ("max_error_rate", "max_p95_increase", "min_p95_delta_ms", "min_requests"):
+        value = getattr(args, field)
+        if value is not None:
+            setattr(spec, field, value)
     return _show(args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), "created")
 
 
@@ -142,6 +199,24 @@ def status(args: argparse.Namespace) -> int:
             f"canary {d['canary_model']} {d['canary_weight_pct']}%"
         )
     print(f"Step:      {d['step']} of {d['steps'] or 'manual (promote)'}")
+    a = d["analysis"]
+    if a is not None:
+        print(f"Analysis:  {a['verdict']} (step {a['step'] + 1})  {a['reason']}")
+        rows = []
+        for name in ("baseline", "canary"):
+            v = a[name]
+            dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
+            rows.append(
+                [
+                    name,
+                    v["requests"],
+                    f"{v['error_rate']:.2%} ({v['errors']})",
+                    f"{v['p50_ms']:g} ms",
+                    f"{v['p95_ms']:g} ms",
+                    dev,
+                ]
+            )
+        print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")

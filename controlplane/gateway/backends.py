@@ -28,6 +28,7 @@ import structlog
 from controlplane.gateway.httpclient import HttpError, fetch
 from controlplane.gateway.routing import Policy, make_policy
 from controlplane.gateway.settings import GatewaySettings, split_host_port
+from controlplane.gateway.stats import TrafficStats
 from controlplane.gateway.upstream import Pool
 from kunlun_common.api import gateway_pb2, workload_pb2
 
@@ -120,6 +121,7 @@ class Registry:
         self.revision = -1
         self.synced = False
         self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
+        self.stats = TrafficStats()  # per (workload, version): requests, errors, latency histogram
         self._random = random.Random().random
 
     # ------------------------------------------------------------------ updates

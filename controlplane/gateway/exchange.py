@@ -28,6 +28,7 @@ class Exchange:
 
     __slots__ = (
         "backend",
+        "began",
         "client",
         "conn",
         "connecting",
@@ -75,11 +76,12 @@ class Exchange:
         self.done = False
         self.last_error = ""
         self.last = 0.0
+        self.began = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         loop = self.proxy.loop
-        self.last = loop.time()
+        self.last = self.began = loop.time()
         self.timer = loop.call_later(self.proxy.settings.request_timeout_s, self._on_timer)
         self._dispatch()
 
@@ -129,8 +131,14 @@ class Exchange:
             b.inflight -= 1
         return b
 
-    def _finish(self, keep_alive: bool) -> None:
+    def _record(self, error: bool) -> None:
+        """Count the request for its workload and version (the last instance tried decides)."""
+        variant = self.tried[-1].variant if self.tried else (self.variant or "")
+        self.proxy.registry.stats.record(self.wl.name, variant, self.proxy.loop.time() - self.began, error)
+
+    def _finish(self, keep_alive: bool, error: bool) -> None:
         self.done = True
+        self._record(error)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -139,6 +147,7 @@ class Exchange:
 
     def _error(self, status: int, message: str, extra: bytes = b"") -> None:
         self.done = True
+        self._record(status >= 500)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -159,11 +168,12 @@ class Exchange:
             t.write(data)
 
     def upstream_done(self, keep_alive: bool) -> None:
+        status = self.conn.status if self.conn is not None else 0
         self.conn = None
         b = self._release()
         if b is not None:
             self.proxy.registry.succeeded(b)
-        self._finish(keep_alive)
+        self._finish(keep_alive, status >= 500)
 
     def upstream_failed(self, reason: str, kind: str, reused: bool) -> None:
         self.conn = None
@@ -190,7 +200,7 @@ class Exchange:
         if b is not None:
             self.proxy.registry.failed(b, "reset", reason, True)
             log.warning("response cut", instance=b.instance_id, workload=self.wl.name, reason=reason)
-        self._finish(False)
+        self._finish(False, True)
 
     # --- timeouts and the client going away
     def _on_timer(self) -> None:
@@ -210,7 +220,7 @@ class Exchange:
             self.proxy.registry.failed(b, "timeout", f"no answer within {timeout:g}s")
         if self.started:
             log.warning("response timed out mid-way", workload=self.wl.name, instance=what)
-            self._finish(False)
+            self._finish(False, True)
         else:
             self._error(504, f"{what} of workload {self.wl.name!r} did not answer within {timeout:g}s")
 

@@ -5,7 +5,8 @@ On one replica, over one mTLS channel (certificate of role `gateway`), three thi
   applied at once (an instance that leaves the snapshot stops getting requests immediately);
 - `GatewayService.WatchGatewayConfig`: API key hashes, routing policies, workload states;
 - `GatewayService.Heartbeat` every `heartbeat_interval_s`: keeps the gateway listed
-  (`/kunlun/v1/gateways/<name>`, lease-bound) and proves the replica still answers (and still
+  (`/kunlun/v1/gateways/<name>`, lease-bound), carries the cumulative traffic counters per
+  workload and version (`stats.py`, for the rollout analysis) and proves the replica still answers (and still
   reaches etcd) within `feed_timeout_s`.
 If any of them fails (replica killed, paused, cut off from etcd, stream closed), the gateway moves to
 the next replica, which sends full snapshots again. The last snapshot stays in use meanwhile: losing
@@ -203,7 +204,9 @@ class ControlPlaneFeed:
         ttl = max(3, math.ceil(3 * s.heartbeat_interval_s))
         lease = 0
         while True:
-            req = gateway_pb2.GatewayHeartbeatRequest(info=self.info, lease=lease, ttl_s=ttl)
+            req = gateway_pb2.GatewayHeartbeatRequest(
+                info=self.info, lease=lease, ttl_s=ttl, stats=self.registry.stats.snapshot()
+            )
             try:
                 resp = await gw.Heartbeat(req, timeout=s.feed_timeout_s)
             except grpc.aio.AioRpcError as e:

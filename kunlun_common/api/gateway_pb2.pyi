@@ -334,26 +334,103 @@ class GatewayHeartbeatRequest(_message.Message):
     INFO_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
     lease: _builtins.int
     """Lease returned by the previous heartbeat; 0 (first call, or info changed) registers anew."""
     ttl_s: _builtins.int
     """Seconds the registration outlives the last heartbeat (3..60; 0: 10)."""
     @_builtins.property
     def info(self) -> Global___GatewayInfo: ...
+    @_builtins.property
+    def stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___VariantStats]:
+        """Cumulative traffic counters since the gateway started, per workload and version."""
+
     def __init__(
         self,
         *,
         info: Global___GatewayInfo | None = ...,
         lease: _builtins.int = ...,
         ttl_s: _builtins.int = ...,
+        stats: _abc.Iterable[Global___VariantStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "lease", b"lease", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "lease", b"lease", "stats", b"stats", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GatewayHeartbeatRequest: _TypeAlias = GatewayHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class VariantStats(_message.Message):
+    """A gateway's cumulative counters of one workload's requests to one version, since it started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    VARIANT_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    LATENCY_BUCKETS_FIELD_NUMBER: _builtins.int
+    workload: _builtins.str
+    variant: _builtins.str
+    """"" baseline, "canary" the rollout's canary."""
+    requests: _builtins.int
+    errors: _builtins.int
+    """5xx answers from the engine and requests the gateway failed itself (502/503/504)."""
+    @_builtins.property
+    def latency_buckets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests per latency bucket (controlplane/gateway/stats.py BOUNDS_MS: fixed, log-spaced;
+        the last bucket is everything above the last bound). Trailing empty buckets are left out.
+        """
+
+    def __init__(
+        self,
+        *,
+        workload: _builtins.str = ...,
+        variant: _builtins.str = ...,
+        requests: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        latency_buckets: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "latency_buckets", b"latency_buckets", "requests", b"requests", "variant", b"variant", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VariantStats: _TypeAlias = VariantStats  # noqa: Y015
+
+@_typing.final
+class GatewayStats(_message.Message):
+    """A gateway's latest counters as a replica stores them (`gateway-stats/<gateway>`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GATEWAY_FIELD_NUMBER: _builtins.int
+    STARTED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    gateway: _builtins.str
+    started_at_unix_ms: _builtins.int
+    at_unix_ms: _builtins.int
+    @_builtins.property
+    def stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___VariantStats]: ...
+    def __init__(
+        self,
+        *,
+        gateway: _builtins.str = ...,
+        started_at_unix_ms: _builtins.int = ...,
+        at_unix_ms: _builtins.int = ...,
+        stats: _abc.Iterable[Global___VariantStats] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "gateway", b"gateway", "started_at_unix_ms", b"started_at_unix_ms", "stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatewayStats: _TypeAlias = GatewayStats  # noqa: Y015
 
 @_typing.final
 class GatewayHeartbeatResponse(_message.Message):

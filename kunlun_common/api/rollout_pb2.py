@@ -22,28 +22,33 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kunlun_common.api import gateway_pb2 as kunlun_dot_v1_dot_gateway__pb2
 from kunlun_common.api import workload_pb2 as kunlun_dot_v1_dot_workload__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/rollout.proto\x12\tkunlun.v1\x1a\x18kunlun/v1/workload.proto\"z\n\x0bRolloutSpec\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_args\x18\x03 \x03(\t\x12\r\n\x05steps\x18\x04 \x03(\x05\x12\x12\n\ninterval_s\x18\x05 \x01(\x05\x12\x12\n\ncanary_pct\x18\x06 \x01(\x05\"\xfb\x02\n\x07Rollout\x12\x13\n\x0bworkload_id\x18\x01 \x01(\t\x12\x10\n\x08workload\x18\x02 \x01(\t\x12$\n\x04spec\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.RolloutSpec\x12\x16\n\x0e\x62\x61seline_model\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x12\n\nweight_pct\x18\x07 \x01(\x05\x12\x1f\n\x17step_started_at_unix_ms\x18\x08 \x01(\x03\x12\x1c\n\x14promotions_requested\x18\t \x01(\x05\x12\x1a\n\x12promotions_applied\x18\n \x01(\x05\x12\x17\n\x0f\x61\x62ort_requested\x18\x0b \x01(\x08\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x12\n\ncreated_by\x18\r \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x0e \x01(\x03\x12&\n\x07history\x18\x0f \x03(\x0b\x32\x15.kunlun.v1.PhaseEvent\"<\n\x14\x43reateRolloutRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RolloutSpec\"\"\n\x0eRolloutRequest\x12\x10\n\x08workload\x18\x01 \x01(\t\"\x15\n\x13ListRolloutsRequest\"<\n\x14ListRolloutsResponse\x12$\n\x08rollouts\x18\x01 \x03(\x0b\x32\x12.kunlun.v1.Rollout2\xe4\x02\n\x0eRolloutService\x12\x44\n\rCreateRollout\x12\x1f.kunlun.v1.CreateRolloutRequest\x1a\x12.kunlun.v1.Rollout\x12?\n\x0ePromoteRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12=\n\x0c\x41\x62ortRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12;\n\nGetRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12O\n\x0cListRollouts\x12\x1e.kunlun.v1.ListRolloutsRequest\x1a\x1f.kunlun.v1.ListRolloutsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/rollout.proto\x12\tkunlun.v1\x1a\x17kunlun/v1/gateway.proto\x1a\x18kunlun/v1/workload.proto\"\xbe\x02\n\x0bRolloutSpec\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_args\x18\x03 \x03(\t\x12\r\n\x05steps\x18\x04 \x03(\x05\x12\x12\n\ninterval_s\x18\x05 \x01(\x05\x12\x12\n\ncanary_pct\x18\x06 \x01(\x05\x12\x1b\n\x0emax_error_rate\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10max_p95_increase\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10min_p95_delta_ms\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cmin_requests\x18\n \x01(\x05H\x03\x88\x01\x01\x42\x11\n\x0f_max_error_rateB\x13\n\x11_max_p95_increaseB\x13\n\x11_min_p95_delta_msB\x0f\n\r_min_requests\"d\n\x0cVersionStats\x12\x10\n\x08requests\x18\x01 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x02 \x01(\x03\x12\x12\n\nerror_rate\x18\x03 \x01(\x01\x12\x0e\n\x06p50_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x05 \x01(\x01\"\xbf\x01\n\x0fRolloutAnalysis\x12\x12\n\nat_unix_ms\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12)\n\x08\x62\x61seline\x18\x03 \x01(\x0b\x32\x17.kunlun.v1.VersionStats\x12\'\n\x06\x63\x61nary\x18\x04 \x01(\x0b\x32\x17.kunlun.v1.VersionStats\x12\x15\n\rp95_deviation\x18\x05 \x01(\x01\x12\x0f\n\x07verdict\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\xe1\x03\n\x07Rollout\x12\x13\n\x0bworkload_id\x18\x01 \x01(\t\x12\x10\n\x08workload\x18\x02 \x01(\t\x12$\n\x04spec\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.RolloutSpec\x12\x16\n\x0e\x62\x61seline_model\x18\x04 \x01(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x05\x12\x12\n\nweight_pct\x18\x07 \x01(\x05\x12\x1f\n\x17step_started_at_unix_ms\x18\x08 \x01(\x03\x12\x1c\n\x14promotions_requested\x18\t \x01(\x05\x12\x1a\n\x12promotions_applied\x18\n \x01(\x05\x12\x17\n\x0f\x61\x62ort_requested\x18\x0b \x01(\x08\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x12\n\ncreated_by\x18\r \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x0e \x01(\x03\x12&\n\x07history\x18\x0f \x03(\x0b\x32\x15.kunlun.v1.PhaseEvent\x12\x31\n\x10step_start_stats\x18\x10 \x03(\x0b\x32\x17.kunlun.v1.GatewayStats\x12\x31\n\rlast_analysis\x18\x11 \x01(\x0b\x32\x1a.kunlun.v1.RolloutAnalysis\"<\n\x14\x43reateRolloutRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RolloutSpec\"\"\n\x0eRolloutRequest\x12\x10\n\x08workload\x18\x01 \x01(\t\"\x15\n\x13ListRolloutsRequest\"<\n\x14ListRolloutsResponse\x12$\n\x08rollouts\x18\x01 \x03(\x0b\x32\x12.kunlun.v1.Rollout2\xe4\x02\n\x0eRolloutService\x12\x44\n\rCreateRollout\x12\x1f.kunlun.v1.CreateRolloutRequest\x1a\x12.kunlun.v1.Rollout\x12?\n\x0ePromoteRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12=\n\x0c\x41\x62ortRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12;\n\nGetRollout\x12\x19.kunlun.v1.RolloutRequest\x1a\x12.kunlun.v1.Rollout\x12O\n\x0cListRollouts\x12\x1e.kunlun.v1.ListRolloutsRequest\x1a\x1f.kunlun.v1.ListRolloutsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunlun.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUTSPEC']._serialized_start=64
-  _globals['_ROLLOUTSPEC']._serialized_end=186
-  _globals['_ROLLOUT']._serialized_start=189
-  _globals['_ROLLOUT']._serialized_end=568
-  _globals['_CREATEROLLOUTREQUEST']._serialized_start=570
-  _globals['_CREATEROLLOUTREQUEST']._serialized_end=630
-  _globals['_ROLLOUTREQUEST']._serialized_start=632
-  _globals['_ROLLOUTREQUEST']._serialized_end=666
-  _globals['_LISTROLLOUTSREQUEST']._serialized_start=668
-  _globals['_LISTROLLOUTSREQUEST']._serialized_end=689
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=691
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=751
-  _globals['_ROLLOUTSERVICE']._serialized_start=754
-  _globals['_ROLLOUTSERVICE']._serialized_end=1110
+  _globals['_ROLLOUTSPEC']._serialized_start=90
+  _globals['_ROLLOUTSPEC']._serialized_end=408
+  _globals['_VERSIONSTATS']._serialized_start=410
+  _globals['_VERSIONSTATS']._serialized_end=510
+  _globals['_ROLLOUTANALYSIS']._serialized_start=513
+  _globals['_ROLLOUTANALYSIS']._serialized_end=704
+  _globals['_ROLLOUT']._serialized_start=707
+  _globals['_ROLLOUT']._serialized_end=1188
+  _globals['_CREATEROLLOUTREQUEST']._serialized_start=1190
+  _globals['_CREATEROLLOUTREQUEST']._serialized_end=1250
+  _globals['_ROLLOUTREQUEST']._serialized_start=1252
+  _globals['_ROLLOUTREQUEST']._serialized_end=1286
+  _globals['_LISTROLLOUTSREQUEST']._serialized_start=1288
+  _globals['_LISTROLLOUTSREQUEST']._serialized_end=1309
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=1311
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=1371
+  _globals['_ROLLOUTSERVICE']._serialized_start=1374
+  _globals['_ROLLOUTSERVICE']._serialized_end=1730
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from kunlun_common.api import gateway_pb2 as _gateway_pb2
 from kunlun_common.api import workload_pb2 as _workload_pb2
 import builtins as _builtins
 import sys
@@ -32,6 +33,10 @@ class RolloutSpec(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     INTERVAL_S_FIELD_NUMBER: _builtins.int
     CANARY_PCT_FIELD_NUMBER: _builtins.int
+    MAX_ERROR_RATE_FIELD_NUMBER: _builtins.int
+    MAX_P95_INCREASE_FIELD_NUMBER: _builtins.int
+    MIN_P95_DELTA_MS_FIELD_NUMBER: _builtins.int
+    MIN_REQUESTS_FIELD_NUMBER: _builtins.int
     workload: _builtins.str
     """Workload name or id."""
     model: _builtins.str
@@ -40,6 +45,15 @@ class RolloutSpec(_message.Message):
     """Seconds between steps (when steps are given). 0: 120."""
     canary_pct: _builtins.int
     """First weight, in percent (1..100)."""
+    max_error_rate: _builtins.float
+    """Analysis thresholds, checked at the end of every step and before every promote (unset: the
+    default). The canary fails when its error rate is not below max_error_rate (0.001), or its
+    p95 latency is more than max_p95_increase (0.05, a fraction) above the baseline's and at
+    least min_p95_delta_ms (20) above it. Both versions need min_requests (50) in the step first.
+    """
+    max_p95_increase: _builtins.float
+    min_p95_delta_ms: _builtins.float
+    min_requests: _builtins.int
     @_builtins.property
     def engine_args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Engine arguments of the canary; empty: the workload's."""
@@ -59,14 +73,107 @@ class RolloutSpec(_message.Message):
         steps: _abc.Iterable[_builtins.int] | None = ...,
         interval_s: _builtins.int = ...,
         canary_pct: _builtins.int = ...,
+        max_error_rate: _builtins.float | None = ...,
+        max_p95_increase: _builtins.float | None = ...,
+        min_p95_delta_ms: _builtins.float | None = ...,
+        min_requests: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_error_rate", b"_max_error_rate", "_max_p95_increase", b"_max_p95_increase", "_min_p95_delta_ms", b"_min_p95_delta_ms", "_min_requests", b"_min_requests", "max_error_rate", b"max_error_rate", "max_p95_increase", b"max_p95_increase", "min_p95_delta_ms", b"min_p95_delta_ms", "min_requests", b"min_requests"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_error_rate", b"_max_error_rate", "_max_p95_increase", b"_max_p95_increase", "_min_p95_delta_ms", b"_min_p95_delta_ms", "_min_requests", b"_min_requests", "canary_pct", b"canary_pct", "engine_args", b"engine_args", "interval_s", b"interval_s", "max_error_rate", b"max_error_rate", "max_p95_increase", b"max_p95_increase", "min_p95_delta_ms", b"min_p95_delta_ms", "min_requests", b"min_requests", "model", b"model", "steps", b"steps", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_error_rate: _TypeAlias = _typing.Literal["max_error_rate"]  # noqa: Y015
+    _WhichOneofArgType__max_error_rate: _TypeAlias = _typing.Literal["_max_error_rate", b"_max_error_rate"]  # noqa: Y015
+    _WhichOneofReturnType__max_p95_increase: _TypeAlias = _typing.Literal["max_p95_increase"]  # noqa: Y015
+    _WhichOneofArgType__max_p95_increase: _TypeAlias = _typing.Literal["_max_p95_increase", b"_max_p95_increase"]  # noqa: Y015
+    _WhichOneofReturnType__min_p95_delta_ms: _TypeAlias = _typing.Literal["min_p95_delta_ms"]  # noqa: Y015
+    _WhichOneofArgType__min_p95_delta_ms: _TypeAlias = _typing.Literal["_min_p95_delta_ms", b"_min_p95_delta_ms"]  # noqa: Y015
+    _WhichOneofReturnType__min_requests: _TypeAlias = _typing.Literal["min_requests"]  # noqa: Y015
+    _WhichOneofArgType__min_requests: _TypeAlias = _typing.Literal["_min_requests", b"_min_requests"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_error_rate) -> _WhichOneofReturnType__max_error_rate | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_p95_increase) -> _WhichOneofReturnType__max_p95_increase | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p95_delta_ms) -> _WhichOneofReturnType__min_p95_delta_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_requests) -> _WhichOneofReturnType__min_requests | None: ...
+
+Global___RolloutSpec: _TypeAlias = RolloutSpec  # noqa: Y015
+
+@_typing.final
+class VersionStats(_message.Message):
+    """One version's traffic over a step, summed over all gateways."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    ERROR_RATE_FIELD_NUMBER: _builtins.int
+    P50_MS_FIELD_NUMBER: _builtins.int
+    P95_MS_FIELD_NUMBER: _builtins.int
+    requests: _builtins.int
+    errors: _builtins.int
+    error_rate: _builtins.float
+    p50_ms: _builtins.float
+    p95_ms: _builtins.float
+    def __init__(
+        self,
+        *,
+        requests: _builtins.int = ...,
+        errors: _builtins.int = ...,
+        error_rate: _builtins.float = ...,
+        p50_ms: _builtins.float = ...,
+        p95_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canary_pct", b"canary_pct", "engine_args", b"engine_args", "interval_s", b"interval_s", "model", b"model", "steps", b"steps", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_rate", b"error_rate", "errors", b"errors", "p50_ms", b"p50_ms", "p95_ms", b"p95_ms", "requests", b"requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RolloutSpec: _TypeAlias = RolloutSpec  # noqa: Y015
+Global___VersionStats: _TypeAlias = VersionStats  # noqa: Y015
+
+@_typing.final
+class RolloutAnalysis(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    BASELINE_FIELD_NUMBER: _builtins.int
+    CANARY_FIELD_NUMBER: _builtins.int
+    P95_DEVIATION_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    at_unix_ms: _builtins.int
+    step: _builtins.int
+    p95_deviation: _builtins.float
+    """(canary p95 - baseline p95) / baseline p95."""
+    verdict: _builtins.str
+    """"Passed", "Failed" or "Waiting" (too few requests yet)."""
+    reason: _builtins.str
+    @_builtins.property
+    def baseline(self) -> Global___VersionStats: ...
+    @_builtins.property
+    def canary(self) -> Global___VersionStats: ...
+    def __init__(
+        self,
+        *,
+        at_unix_ms: _builtins.int = ...,
+        step: _builtins.int = ...,
+        baseline: Global___VersionStats | None = ...,
+        canary: Global___VersionStats | None = ...,
+        p95_deviation: _builtins.float = ...,
+        verdict: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "canary", b"canary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "baseline", b"baseline", "canary", b"canary", "p95_deviation", b"p95_deviation", "reason", b"reason", "step", b"step", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutAnalysis: _TypeAlias = RolloutAnalysis  # noqa: Y015
 
 @_typing.final
 class Rollout(_message.Message):
@@ -87,12 +194,14 @@ class Rollout(_message.Message):
     CREATED_BY_FIELD_NUMBER: _builtins.int
     CREATED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    STEP_START_STATS_FIELD_NUMBER: _builtins.int
+    LAST_ANALYSIS_FIELD_NUMBER: _builtins.int
     workload_id: _builtins.str
     workload: _builtins.str
     baseline_model: _builtins.str
     """The model the workload served when the rollout started."""
     phase: _builtins.str
-    """"Progressing", "Completed" or "Aborted"."""
+    """"Progressing", "Completed", "Aborted" or "Degraded" (aborted by a failed analysis)."""
     step: _builtins.int
     """Index into the steps; weight_pct is that step's weight (0 once Aborted)."""
     weight_pct: _builtins.int
@@ -108,6 +217,14 @@ class Rollout(_message.Message):
     def spec(self) -> Global___RolloutSpec: ...
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[_workload_pb2.PhaseEvent]: ...
+    @_builtins.property
+    def step_start_stats(self) -> _containers.RepeatedCompositeFieldContainer[_gateway_pb2.GatewayStats]:
+        """Every gateway's cumulative counters when the current step started (the analysis sums the
+        deltas since then).
+        """
+
+    @_builtins.property
+    def last_analysis(self) -> Global___RolloutAnalysis: ...
     def __init__(
         self,
         *,
@@ -126,10 +243,12 @@ class Rollout(_message.Message):
         created_by: _builtins.str = ...,
         created_at_unix_ms: _builtins.int = ...,
         history: _abc.Iterable[_workload_pb2.PhaseEvent] | None = ...,
+        step_start_stats: _abc.Iterable[_gateway_pb2.GatewayStats] | None = ...,
+        last_analysis: Global___RolloutAnalysis | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
