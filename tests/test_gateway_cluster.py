@@ -6,6 +6,7 @@ engines started here), the CLI for keys and policies, registration, and failover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -44,9 +45,13 @@ class GatewayCluster(LocalCluster):
         return [argv[0], "-m", "tests.test_gateway_support", "replica", *argv[3:]]
 
 
-@pytest.fixture(scope="module")
-def gcluster(request: pytest.FixtureRequest) -> Iterator[GatewayCluster]:
-    base = Path(tempfile.mkdtemp(prefix="kunlun-gw-cluster-", dir=FAST_TMP))
+@contextlib.contextmanager
+def simulated_node_cluster(prefix: str, keep_as: str) -> Iterator[GatewayCluster]:
+    """Real etcd + 3 replicas (serving GatewayService) + one simulated agent that runs nothing.
+
+    Logs are kept under $TMPDIR/kunlun-test-logs/<keep_as>/ after it stops.
+    """
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir=FAST_TMP))
     c = GatewayCluster(ClusterSpec(base_dir=base, node_configs=(), extra_nodes=(NODE,), gateways=0))
     try:
         c.start()
@@ -61,13 +66,19 @@ def gcluster(request: pytest.FixtureRequest) -> Iterator[GatewayCluster]:
         yield c
     finally:
         c.stop()
-        keep = LOG_KEEP / "test_gateway_cluster"
+        keep = LOG_KEEP / keep_as
         shutil.rmtree(keep, ignore_errors=True)
         for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log"), *base.glob("gw/*.log")]:
             dest = keep / log.relative_to(base)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(log, dest)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gcluster() -> Iterator[GatewayCluster]:
+    with simulated_node_cluster("kunlun-gw-cluster-", "test_gateway_cluster") as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

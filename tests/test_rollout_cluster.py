@@ -6,10 +6,8 @@ counters through `gateway-stats/`) turns the rollout Degraded with the numbers t
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,13 +15,11 @@ from typing import Any
 
 import pytest
 
-from controlplane.local.cluster import ClusterSpec
-from controlplane.local.procs import ManagedProcess, wait_for
 from controlplane.store import EtcdStore
 from kunlun_common.api import workload_pb2
-from tests.conftest import FAST_TMP, LOG_KEEP, store_settings
+from tests.conftest import store_settings
 from tests.sched_helpers import get, submit
-from tests.test_gateway_cluster import NODE, GatewayCluster, cli, set_status
+from tests.test_gateway_cluster import NODE, GatewayCluster, cli, set_status, simulated_node_cluster
 from tests.test_gateway_support import Engine, GatewayProc, post, start_engines, until
 
 PY = sys.executable
@@ -31,28 +27,8 @@ PY = sys.executable
 
 @pytest.fixture(scope="module")
 def rcluster() -> Iterator[GatewayCluster]:
-    base = Path(tempfile.mkdtemp(prefix="kunlun-rollout-cluster-", dir=FAST_TMP))
-    c = GatewayCluster(ClusterSpec(base_dir=base, node_configs=(), extra_nodes=(NODE,), gateways=0))
-    try:
-        c.start()
-        agent = ManagedProcess(
-            f"agent-{NODE}",
-            [PY, "-m", "tests.test_gateway_support", "agent", NODE, ",".join(c.endpoints), str(c.cert_dir)],
-            base / "agents" / NODE / "agent.log",
-        )
-        agent.start()
-        c.agents[NODE] = agent
-        wait_for(lambda: c.node_ready(NODE), 60, f"simulated node {NODE} to be Ready")
+    with simulated_node_cluster("kunlun-rollout-cluster-", "test_rollout_cluster") as c:
         yield c
-    finally:
-        c.stop()
-        keep = LOG_KEEP / "test_rollout_cluster"
-        shutil.rmtree(keep, ignore_errors=True)
-        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log"), *base.glob("gw/*.log")]:
-            dest = keep / log.relative_to(base)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
