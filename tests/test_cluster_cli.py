@@ -120,6 +120,7 @@ def test_cluster_status_json(cli_config: Path, cluster: LocalCluster) -> None:
 
     wait_for(lambda: len(gateways()) == 3, 30, "3 gateways listed")
     assert {g["pid"] for g in gateways()} == {p.pid for p in cluster.gateways.values()}
+    assert all(g["healthy"] is True and g["address"] for g in gateways())
 
 
 def test_node_list(cli_config: Path) -> None:

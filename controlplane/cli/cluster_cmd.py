@@ -30,6 +30,21 @@ def probe_health(client: Client, address: str) -> bool:
         return False
 
 
+def probe_gateway(address: str) -> bool:
+    """GET /health on a gateway (plain HTTP or HTTPS without verification: only liveness matters)."""
+    import ssl
+    import urllib.request
+
+    for scheme in ("http", "https"):
+        try:
+            ctx = ssl._create_unverified_context() if scheme == "https" else None
+            with urllib.request.urlopen(f"{scheme}://{address}/health", timeout=2, context=ctx) as r:
+                return bool(r.status == 200)
+        except OSError:
+            continue
+    return False
+
+
 def cluster_status(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
@@ -40,6 +55,8 @@ def cluster_status(args: argparse.Namespace) -> int:
     from controlplane.cli.gateway_cmd import live_gateways
 
     gateways = live_gateways(client)
+    for g in gateways:
+        g["healthy"] = probe_gateway(str(g.get("address", "")))
     if args.output == "json":
         print_json(
             {
@@ -77,9 +94,15 @@ def cluster_status(args: argparse.Namespace) -> int:
     if gateways:
         print()
         print_table(
-            ["GATEWAY", "ADDRESS", "PID", "REPLICA"],
+            ["GATEWAY", "ADDRESS", "PID", "HEALTHY", "REPLICA"],
             [
-                [g.get("name", ""), g.get("address", ""), g.get("pid", ""), g.get("replica", "")]
+                [
+                    g.get("name", ""),
+                    g.get("address", ""),
+                    g.get("pid", ""),
+                    "yes" if g["healthy"] else "NO",
+                    g.get("replica", ""),
+                ]
                 for g in gateways
             ],
         )
