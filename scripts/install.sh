@@ -44,4 +44,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -
   .venv/bin/python -m pip install -q -e '.[dev]'
   echo "$want" > "$stamp"
 fi
-echo "install: ok ($(.venv/bin/python --version), $(etcd --version 2>/dev/null | head -1 || /usr/bin/etcd --version | head -1))"
+echo "install: ok ($(.venv/bin/python --version), $(etcd --version 2>/dev/null | sed -n 1p))"
