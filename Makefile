@@ -8,10 +8,10 @@ install:
 	@bash scripts/install.sh
 
 demo: install
-	@$(PY) -m controlplane.local up
+	@$(PY) -m devcluster up
 
 down:
-	@if [ -x $(PY) ]; then $(PY) -m controlplane.local down; else echo "nothing to stop"; fi
+	@if [ -x $(PY) ]; then $(PY) -m devcluster down; else echo "nothing to stop"; fi
 
 lint: install
 	$(VENV)/bin/ruff check .

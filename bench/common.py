@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from controlplane.local.cluster import ClusterSpec, LocalCluster
+from devcluster.cluster import ClusterSpec, LocalCluster
 
 
 def pct(values: Sequence[float], p: float) -> float:

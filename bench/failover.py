@@ -13,9 +13,9 @@ import time
 
 from bench.common import pct, temp_cluster
 from controlplane import keys
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
 from controlplane.store import EtcdStore, StoreSettings, WatchEvent
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.pki import paths_for
 
 

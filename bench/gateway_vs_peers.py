@@ -31,7 +31,7 @@ from typing import Any, cast
 import httptools
 
 from bench.common import cpu_seconds, pct
-from controlplane.local.procs import ManagedProcess, free_port
+from devcluster.procs import ManagedProcess, free_port
 
 PY = sys.executable
 CHAT = json.dumps(
@@ -166,7 +166,7 @@ def start_gateway(
 ) -> tuple[ManagedProcess, Addr]:
     port = free_port()
     eps = ",".join(f"bench={h}:{p}" for h, p in backends)
-    argv = [PY, "-m", "controlplane.gateway.main", f"--listen=127.0.0.1:{port}", f"--static-endpoints={eps}"]
+    argv = [PY, "-m", "gateway.main", f"--listen=127.0.0.1:{port}", f"--static-endpoints={eps}"]
     argv += ["--policy=round_robin", "--log-level=warning"]
     p = ManagedProcess(name, argv, base / f"{name}.log")
     p.start()

@@ -17,8 +17,8 @@ import time
 import grpc
 
 from bench.common import cpu_seconds, pct, temp_cluster
-from controlplane.local.cluster import LocalCluster
 from controlplane.store import EtcdStore, StoreSettings
+from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.pki import issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls

@@ -21,10 +21,10 @@ from bench.common import pct
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
-from controlplane.local.etcd_cluster import build_etcd_cluster
-from controlplane.local.procs import wait_for
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
+from devcluster.etcd_cluster import build_etcd_cluster
+from devcluster.procs import wait_for
 from kunlun_common.api import types_pb2, workload_pb2
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from chaos.invariants import LeaderWrite, deposed_leader_commits
 from controlplane import keys
-from controlplane.local.cluster import ClusterSpec, LocalCluster
-from controlplane.local.procs import wait_for
 from controlplane.store import EtcdStore, StoreSettings, WatchEvent
+from devcluster.cluster import ClusterSpec, LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.pki import paths_for
 
 

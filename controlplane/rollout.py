@@ -35,10 +35,10 @@ import structlog
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
-from controlplane.gateway.stats import quantile_ms
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
 from kunlun_common.errors import TemporaryError
+from kunlun_common.traffic import quantile_ms
 
 log = structlog.get_logger("rollout")
 PROGRESSING = "Progressing"

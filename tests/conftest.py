@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.local.cluster import ClusterSpec, LocalCluster
-from controlplane.local.etcd_cluster import EtcdCluster, build_etcd_cluster
-from controlplane.local.procs import wait_for
 from controlplane.store import EtcdStore, StoreSettings
+from devcluster.cluster import ClusterSpec, LocalCluster
+from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
+from devcluster.procs import wait_for
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
 
 FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

@@ -9,9 +9,9 @@ import grpc
 
 from chaos.invariants import AllocEvent
 from controlplane import keys
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
 from controlplane.store import EtcdStore, WatchEvent
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import workload_pb2, workload_pb2_grpc
 from tests.conftest import store_settings
 

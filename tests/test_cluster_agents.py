@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, types_pb2
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from controlplane.api.auth import PERMISSIONS
 from controlplane.cli.config import ClientConfig, write_client_config
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import (
     agent_pb2,
     agent_pb2_grpc,

@@ -6,9 +6,9 @@ import asyncio
 import re
 
 from controlplane import keys
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
 from controlplane.store import EtcdStore, WatchEvent
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2
 from tests.conftest import store_settings
 

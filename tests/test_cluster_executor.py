@@ -25,8 +25,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import ManagedProcess, free_port, pid_alive, wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import ManagedProcess, free_port, pid_alive, wait_for
 from kunlun_common.api import (
     agent_pb2,
     agent_pb2_grpc,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from chaos.invariants import double_allocations
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2
 from tests.sched_helpers import (
     alloc_history,

@@ -12,8 +12,8 @@ import pytest
 
 from chaos.invariants import double_allocations
 from controlplane.cli.config import ClientConfig, write_client_config
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import workload_pb2
 from kunlun_common.pki import paths_for
 from tests.sched_helpers import (

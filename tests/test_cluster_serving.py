@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from controlplane.cli.config import ClientConfig, write_client_config
-from controlplane.local.cluster import LocalCluster
-from controlplane.local.procs import wait_for
+from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.pki import paths_for
 from tests.sched_helpers import delete_all, get, submit
 

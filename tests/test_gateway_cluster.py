@@ -24,10 +24,10 @@ from controlplane.cli.client import Client
 from controlplane.cli.config import load_client_config
 from controlplane.cli.gateway_cmd import live_gateways
 from controlplane.feeds import encode_status
-from controlplane.gateway.httpclient import HttpConnection
-from controlplane.local.cluster import ClusterSpec, LocalCluster
-from controlplane.local.procs import ManagedProcess, wait_for
 from controlplane.store import EtcdStore
+from devcluster.cluster import ClusterSpec, LocalCluster
+from devcluster.procs import ManagedProcess, wait_for
+from gateway.httpclient import HttpConnection
 from kunlun_common.api import agent_pb2, workload_pb2
 from tests.conftest import FAST_TMP, LOG_KEEP, store_settings
 from tests.sched_helpers import get, submit

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from controlplane.gateway.auth import key_hash
-from controlplane.gateway.httpclient import HttpConnection, Response
+from gateway.httpclient import HttpConnection, Response
 from kunlun_common.api import gateway_pb2
+from kunlun_common.traffic import key_hash
 from tests.test_gateway_support import Engine, FakeControlPlane, GatewayProc, post, start_engines, until
 
 KEY = "kl-test-0123456789abcdefghijklmnopqrstuvwxyz"

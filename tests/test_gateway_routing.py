@@ -11,13 +11,14 @@ import pytest
 
 from controlplane.api import auth as cp_auth
 from controlplane.api.gateway_service import GATEWAY_PERMISSIONS, SVC, route_states
-from controlplane.gateway.auth import ApiKeys, key_hash
-from controlplane.gateway.backends import Backend, Registry
-from controlplane.gateway.main import build_settings
-from controlplane.gateway.routing import LeastOutstanding, PrefixAffinity, RoundRobin, prompt_prefix
-from controlplane.gateway.settings import GatewaySettings
+from gateway.auth import ApiKeys
+from gateway.backends import Backend, Registry
+from gateway.main import build_settings
+from gateway.routing import LeastOutstanding, PrefixAffinity, RoundRobin, prompt_prefix
+from gateway.settings import GatewaySettings
 from kunlun_common.api import gateway_pb2, workload_pb2
 from kunlun_common.errors import ConfigError
+from kunlun_common.traffic import key_hash
 
 
 @dataclass(eq=False)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.gateway.httpclient import HttpConnection, HttpError, fetch
-from controlplane.local.procs import ManagedProcess, free_port
+from devcluster.procs import ManagedProcess, free_port
+from gateway.httpclient import HttpConnection, HttpError, fetch
 from kunlun_common.pki import paths_for
 from tests.test_gateway_support import Engine, GatewayProc, post, start_engines, until
 

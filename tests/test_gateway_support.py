@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from controlplane.gateway.httpclient import HttpConnection, HttpError, Response
-from controlplane.local.procs import ManagedProcess, free_port
+from devcluster.procs import ManagedProcess, free_port
+from gateway.httpclient import HttpConnection, HttpError, Response
 from kunlun_common.api import (
     agent_pb2,
     agent_pb2_grpc,
@@ -127,7 +127,7 @@ class GatewayProc:
         self.address = f"127.0.0.1:{self.port}"
         self.key = key
         self.tls = tls
-        argv = [PY, "-m", "controlplane.gateway.main", f"--listen={self.address}", *args]
+        argv = [PY, "-m", "gateway.main", f"--listen={self.address}", *args]
         self.proc = ManagedProcess(name, argv, base / f"{name}.log")
         self.proc.start()
 

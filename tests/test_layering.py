@@ -1,4 +1,4 @@
-"""Architecture rules: node_agent never imports controlplane; nothing but the store imports etcd."""
+"""Architecture rules: controlplane, node_agent and gateway never import each other; nothing but the store imports etcd."""
 
 from __future__ import annotations
 
@@ -19,17 +19,25 @@ def imports_of(path: Path) -> set[str]:
     return out
 
 
-def test_node_agent_does_not_import_controlplane() -> None:
-    offenders = {
-        str(p.relative_to(ROOT)): sorted(m for m in imports_of(p) if m.split(".")[0] == "controlplane")
-        for p in (ROOT / "node_agent").rglob("*.py")
-    }
-    assert not {k: v for k, v in offenders.items() if v}
+# The three processes live side by side and never import each other; the development launcher
+# (devcluster) starts all three and may import them all.
+PROCESSES = ("controlplane", "node_agent", "gateway")
+
+
+def test_processes_do_not_import_each_other() -> None:
+    offenders = {}
+    for top in PROCESSES:
+        others = {p for p in PROCESSES if p != top} | {"devcluster"}
+        for p in (ROOT / top).rglob("*.py"):
+            bad = sorted(m for m in imports_of(p) if m.split(".")[0] in others)
+            if bad:
+                offenders[str(p.relative_to(ROOT))] = bad
+    assert offenders == {}
 
 
 def test_only_the_store_imports_the_etcd_client() -> None:
     offenders = []
-    for top in ("controlplane", "node_agent", "kunlun_common", "chaos", "bench"):
+    for top in ("controlplane", "node_agent", "gateway", "devcluster", "kunlun_common", "chaos", "bench"):
         for p in (ROOT / top).rglob("*.py"):
             if "controlplane/store" in str(p):
                 continue
@@ -40,7 +48,7 @@ def test_only_the_store_imports_the_etcd_client() -> None:
 
 def test_kunlun_common_stands_alone() -> None:
     for p in (ROOT / "kunlun_common").rglob("*.py"):
-        assert not {m for m in imports_of(p) if m.split(".")[0] in ("controlplane", "node_agent")}, p
+        assert not {m for m in imports_of(p) if m.split(".")[0] in (*PROCESSES, "devcluster")}, p
 
 
 def test_no_top_level_package_named_proto() -> None:

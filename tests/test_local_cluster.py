@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from controlplane.local.procs import pid_alive
+from devcluster.procs import pid_alive
 
 
 def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
     base = tmp_path / "kc"
     env = {**os.environ, "KUNLUN_CONFIG": str(tmp_path / "client.yaml")}
     up = subprocess.run(
-        [sys.executable, "-m", "controlplane.local", "up", "--dir", str(base), "--free-ports"],
+        [sys.executable, "-m", "devcluster", "up", "--dir", str(base), "--free-ports"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -40,7 +40,7 @@ def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
         assert len(json.loads(listed.stdout)["items"]) == 7
     finally:
         down = subprocess.run(
-            [sys.executable, "-m", "controlplane.local", "down", "--dir", str(base)],
+            [sys.executable, "-m", "devcluster", "down", "--dir", str(base)],
             capture_output=True,
             text=True,
             timeout=120,

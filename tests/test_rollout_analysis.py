@@ -3,7 +3,6 @@ over several gateways, and what the leader's state machine does with a verdict."
 
 from __future__ import annotations
 
-from controlplane.gateway.stats import BOUNDS_MS, TrafficStats, quantile_ms
 from controlplane.rollout import (
     CANARY,
     DEGRADED,
@@ -16,6 +15,7 @@ from controlplane.rollout import (
     analyse,
     step_totals,
 )
+from gateway.stats import BOUNDS_MS, TrafficStats, quantile_ms
 from kunlun_common.api import gateway_pb2, rollout_pb2
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.local.etcd_cluster import EtcdCluster
 from controlplane.store import KV, Compare, DeleteOp, EtcdStore, GetOp, PutOp, Resync, WatchEvent
 from controlplane.store.contract import MAX_TXN_OPS
+from devcluster.etcd_cluster import EtcdCluster
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
 from tests.conftest import store_settings
 

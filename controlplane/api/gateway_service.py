@@ -39,14 +39,14 @@ import grpc
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
 from controlplane.feeds import Feeds
-from controlplane.gateway.auth import key_hash
-from controlplane.gateway.settings import POLICIES
 from controlplane.rollout import live_rollout
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from controlplane.workloads.spec import NAME_RE
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.traffic import ROUTING_POLICIES as POLICIES
+from kunlun_common.traffic import key_hash
 
 SVC = "/kunlun.v1.GatewayService/"
 GATEWAY_KEYS = keys.ROOT + "gateway-keys/"

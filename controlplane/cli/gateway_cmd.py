@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
-from controlplane.gateway.settings import POLICIES
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc
+from kunlun_common.traffic import ROUTING_POLICIES as POLICIES
 
 T = TypeVar("T")
 

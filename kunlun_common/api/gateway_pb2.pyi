@@ -380,7 +380,7 @@ class VariantStats(_message.Message):
     """5xx answers from the engine and requests the gateway failed itself (502/503/504)."""
     @_builtins.property
     def latency_buckets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Requests per latency bucket (controlplane/gateway/stats.py BOUNDS_MS: fixed, log-spaced;
+        """Requests per latency bucket (gateway/stats.py BOUNDS_MS: fixed, log-spaced;
         the last bucket is everything above the last bound). Trailing empty buckets are left out.
         """
 

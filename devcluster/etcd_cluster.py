@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controlplane.local.procs import ManagedProcess, free_port
+from devcluster.procs import ManagedProcess, free_port
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import paths_for
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 
-from controlplane.gateway.auth import ApiKeys
-from controlplane.gateway.backends import HealthChecker, Registry
-from controlplane.gateway.proxy import Proxy
-from controlplane.gateway.settings import GatewaySettings, split_host_port
+from gateway.auth import ApiKeys
+from gateway.backends import HealthChecker, Registry
+from gateway.proxy import Proxy
+from gateway.settings import GatewaySettings, split_host_port
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
 from kunlun_common.logs import setup_logging
@@ -78,7 +78,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self.proxy = Proxy(s, self.registry, self.keys, self.status)
         if self.material is not None:
-            from controlplane.gateway.feed import ControlPlaneFeed
+            from gateway.feed import ControlPlaneFeed
 
             self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
@@ -93,7 +93,7 @@ class Gateway:
             checker = HealthChecker(self.registry, s)
             self._tasks.append(asyncio.create_task(checker.run(), name="gateway-health"))
         if s.sglang_router_url:
-            from controlplane.gateway.routersync import RouterSync
+            from gateway.routersync import RouterSync
 
             self.router_sync = RouterSync(s.sglang_router_url, self.registry, s.sglang_router_workload)
             self._tasks.append(asyncio.create_task(self.router_sync.run(), name="gateway-router-sync"))

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, paths_for
+from kunlun_common.traffic import ROUTING_POLICIES
 
-POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+POLICIES = ROUTING_POLICIES
 
 
 def split_host_port(address: str, what: str) -> tuple[str, int]:

@@ -9,12 +9,9 @@ tuple). Counters are cumulative since the gateway started; the leader's rollout 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
 
 from kunlun_common.api import gateway_pb2
-
-# Upper bounds (ms) of the latency buckets: 1 ms * 1.15^i, up to ~71 s; one more bucket above.
-BOUNDS_MS: tuple[float, ...] = tuple(round(1.15**i, 3) for i in range(80))
+from kunlun_common.traffic import BOUNDS_MS, quantile_ms
 
 
 class Counters:
@@ -57,17 +54,4 @@ class TrafficStats:
         return out
 
 
-def quantile_ms(buckets: Sequence[int], q: float) -> float:
-    """The q-quantile (0..1) of a bucket histogram, interpolated linearly inside its bucket."""
-    total = sum(buckets)
-    if total <= 0:
-        return 0.0
-    rank = q * total
-    seen = 0
-    for i, n in enumerate(buckets):
-        if n > 0 and seen + n >= rank:
-            lo = BOUNDS_MS[i - 1] if i > 0 else 0.0
-            hi = BOUNDS_MS[i] if i < len(BOUNDS_MS) else lo
-            return lo + (hi - lo) * (rank - seen) / n
-        seen += n
-    return BOUNDS_MS[-1]
+__all__ = ["BOUNDS_MS", "Counters", "TrafficStats", "quantile_ms"]

@@ -1,4 +1,4 @@
-"""`python -m controlplane.local up|down` — the launcher behind `make demo` / `make down`."""
+"""`python -m devcluster up|down` — the launcher behind `make demo` / `make down`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from controlplane.cli.config import ClientConfig, default_path, write_client_config
-from controlplane.local.cluster import ClusterSpec, LocalCluster, stop_from_state
+from devcluster.cluster import ClusterSpec, LocalCluster, stop_from_state
 from kunlun_common.pki import paths_for
 
 DEMO_REPLICA_PORTS = (50051, 50052, 50053)
@@ -61,7 +61,7 @@ def up(base: Path, free_ports: bool = False) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m controlplane.local")
+    ap = argparse.ArgumentParser(prog="python -m devcluster")
     ap.add_argument("command", choices=["up", "down"])
     ap.add_argument("--dir", default=".kunlun", help="state folder (default .kunlun)")
     ap.add_argument("--free-ports", action="store_true", help="pick free ports instead of 50051-3 / 23791-3")

@@ -26,11 +26,11 @@ from typing import Any, cast
 import httptools
 import structlog
 
-from controlplane.gateway.auth import ApiKeys
-from controlplane.gateway.backends import Registry
-from controlplane.gateway.exchange import Exchange
-from controlplane.gateway.routing import prompt_prefix
-from controlplane.gateway.settings import GatewaySettings
+from gateway.auth import ApiKeys
+from gateway.backends import Registry
+from gateway.exchange import Exchange
+from gateway.routing import prompt_prefix
+from gateway.settings import GatewaySettings
 
 try:
     import orjson

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from controlplane.gateway.auth import ApiKeys
-from controlplane.gateway.backends import Registry
-from controlplane.gateway.settings import GatewaySettings
+from gateway.auth import ApiKeys
+from gateway.backends import Registry
+from gateway.settings import GatewaySettings
 from kunlun_common import tls
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.retry import backoff_delay

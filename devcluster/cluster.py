@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane.local.etcd_cluster import EtcdCluster, build_etcd_cluster
-from controlplane.local.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
+from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
+from devcluster.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
@@ -200,7 +200,7 @@ class LocalCluster:
         return [
             sys.executable,
             "-m",
-            "controlplane.gateway.main",
+            "gateway.main",
             f"--name={name}",
             f"--listen={address}",
             f"--endpoints={','.join(self.endpoints)}",
@@ -370,6 +370,4 @@ def _is_ours(pid: int) -> bool:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return False
-    return any(
-        s in cmd for s in ("etcd", "controlplane.main", "controlplane.gateway", "node_agent.main", "kunlun")
-    )
+    return any(s in cmd for s in ("etcd", "controlplane.main", "gateway", "node_agent.main", "kunlun"))

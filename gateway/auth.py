@@ -7,13 +7,7 @@ KDF: there is nothing to brute-force); revoking a key removes its hash from the 
 
 from __future__ import annotations
 
-import hashlib
-
-
-def key_hash(secret: str | bytes) -> str:
-    """The stored form of an API key: hex SHA-256 of its UTF-8 bytes."""
-    raw = secret.encode() if isinstance(secret, str) else secret
-    return hashlib.sha256(raw).hexdigest()
+from kunlun_common.traffic import key_hash
 
 
 class ApiKeys:

@@ -25,11 +25,11 @@ from typing import Any
 
 import structlog
 
-from controlplane.gateway.httpclient import HttpError, fetch
-from controlplane.gateway.routing import Policy, make_policy
-from controlplane.gateway.settings import GatewaySettings, split_host_port
-from controlplane.gateway.stats import TrafficStats
-from controlplane.gateway.upstream import Pool
+from gateway.httpclient import HttpError, fetch
+from gateway.routing import Policy, make_policy
+from gateway.settings import GatewaySettings, split_host_port
+from gateway.stats import TrafficStats
+from gateway.upstream import Pool
 from kunlun_common.api import gateway_pb2, workload_pb2
 
 log = structlog.get_logger("gateway.backends")

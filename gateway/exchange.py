@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from controlplane.gateway.backends import Backend, WorkloadRoutes
-from controlplane.gateway.upstream import UpstreamConn
+from gateway.backends import Backend, WorkloadRoutes
+from gateway.upstream import UpstreamConn
 
 if TYPE_CHECKING:
-    from controlplane.gateway.proxy import ClientProtocol, Proxy, Request
+    from gateway.proxy import ClientProtocol, Proxy, Request
 
 log = structlog.get_logger("gateway.proxy")
 

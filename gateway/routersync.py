@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 
 import structlog
 
-from controlplane.gateway.backends import Registry
-from controlplane.gateway.httpclient import HttpError, fetch
+from gateway.backends import Registry
+from gateway.httpclient import HttpError, fetch
 from kunlun_common.errors import ConfigError
 
 log = structlog.get_logger("gateway.routersync")
