@@ -66,9 +66,7 @@ class SimAgent:
         ]
 
     async def run(self) -> None:
-        async with grpc.aio.secure_channel(
-            self.endpoint, self.creds, options=[("grpc.ssl_target_name_override", "localhost")]
-        ) as ch:
+        async with grpc.aio.secure_channel(self.endpoint, self.creds) as ch:
             call = agent_pb2_grpc.AgentServiceStub(ch).Connect()  # type: ignore[call-arg]
             await call.write(
                 agent_pb2.AgentMessage(

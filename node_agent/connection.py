@@ -42,7 +42,6 @@ class ReplicaLink:
         heartbeat_interval_s: float = 1.0,
         ack_timeout_s: float = 3.0,
         connect_timeout_s: float = 5.0,
-        server_name: str = "localhost",
         on_assignments: Callable[[agent_pb2.Assignments], None] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
@@ -54,7 +53,6 @@ class ReplicaLink:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.server_name = server_name
         self.on_assignments = on_assignments
         self.reports = reports
         self.report_changed = report_changed
@@ -93,7 +91,8 @@ class ReplicaLink:
             ep,
             self.creds,
             options=[
-                ("grpc.ssl_target_name_override", self.server_name),
+                # no name override: the replica's certificate must carry the endpoint's host, and
+                # only the replica CA is trusted (tls.channel_credentials)
                 ("grpc.keepalive_time_ms", 10000),
                 ("grpc.keepalive_timeout_ms", 3000),
             ],

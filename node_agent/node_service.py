@@ -90,7 +90,7 @@ class NodeServiceServer:
         server = grpc.aio.server()
         agent_pb2_grpc.add_NodeServiceServicer_to_server(self.servicer, server)
         try:
-            port = server.add_secure_port(listen, tls.server_credentials(self.material))
+            port = server.add_secure_port(listen, tls.server_credentials(self.material, clients="replica"))
         except RuntimeError as e:
             raise ConfigError(f"node service: cannot listen on {listen} ({e}); is the port in use?") from None
         if not port:

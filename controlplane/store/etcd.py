@@ -159,11 +159,25 @@ class EtcdStore:
             ) from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
+    def _server_name(self) -> str:
+        """The name every member's certificate must carry (see StoreSettings.server_name)."""
+        if self.settings.server_name:
+            return self.settings.server_name
+        hosts = {host_port(ep)[0] for ep in self.settings.endpoints}
+        if len(hosts) != 1:
+            raise ConfigError(
+                f"etcd endpoints on several hosts ({', '.join(sorted(hosts))}): set etcd_server_name to a "
+                "name that every member's certificate carries (kunlun-cli certs init --hosts)"
+            )
+        return hosts.pop()
+
     def _new_channel(self, target: str) -> grpc.aio.Channel:
         assert self._creds is not None
+        name = self._server_name()
         options = [
-            ("grpc.ssl_target_name_override", self.settings.server_name),
-            ("grpc.default_authority", self.settings.server_name),
+            # one channel balances over every member, so the name checked is one they all carry
+            ("grpc.ssl_target_name_override", name),
+            ("grpc.default_authority", name),
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.keepalive_time_ms", 5000),
             ("grpc.keepalive_timeout_ms", 3000),
