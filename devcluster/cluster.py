@@ -26,7 +26,7 @@ from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
 from kunlun_common.pki import ClusterCerts, bundle, etcd_client_paths, init_cluster_certs, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
 
 
