@@ -23,6 +23,7 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.retry import backoff_delay
+from node_agent.assignment_check import safe_assignments
 
 log = structlog.get_logger("link")
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -191,7 +192,7 @@ class ReplicaLink:
                 )
                 if self.on_assignments is not None:
                     try:
-                        self.on_assignments(msg.assignments)
+                        self.on_assignments(safe_assignments(msg.assignments))
                     except Exception:  # the stream must survive a bad handler
                         log.exception("handling assignments failed")
 

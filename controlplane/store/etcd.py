@@ -242,7 +242,8 @@ class EtcdStore:
 
     async def revision(self) -> int:
         """The store's current revision."""
-        req = rpc.RangeRequest(key=b"\0", count_only=True)
+        # a key inside the cluster prefix: etcd's RBAC lets the replicas' user read nothing else
+        req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)
         resp = await self._call(
             "revision", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
         )
