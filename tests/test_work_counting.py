@@ -10,8 +10,9 @@ change path shows up as a difference between the two sizes.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from controlplane import keys
 from controlplane.api.agent_service import AgentService
@@ -19,7 +20,7 @@ from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions
 from controlplane.scheduler.snapshot import SCHEDULING, IncrementalState
 from controlplane.settings import ReplicaSettings
-from controlplane.store import KV, WatchEvent
+from controlplane.store import KV, EtcdStore, PutOp, WatchEvent
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
 
 DEVICES = 8
@@ -136,6 +137,29 @@ class Replica:
         self.state.current()  # the leader's tick reads the state
         before = self.cache.work.snapshot()
         woke = self.scheduler_wake.version
+        calls = 0
+
+        def count(frame: object, event: str, arg: object) -> None:
+            nonlocal calls
+            if event in ("call", "c_call"):
+                calls += 1
+
+        sys.setprofile(count)  # every Python and builtin call the change causes, in every task
+        try:
+            await self._change(change)
+            await self.settle()
+        finally:
+            sys.setprofile(None)
+        st = self.state.current()
+        assert st.revision == self.cache.revision
+        after = self.cache.work.snapshot()
+        delta = {k: after[k] - before[k] for k in after}
+        delta["function calls"] = calls
+        delta["scheduler wakeups"] = self.scheduler_wake.version - woke
+        delta["streams sent to"] = len(self.sent())
+        return delta
+
+    async def _change(self, change: str) -> None:
         n = name(7)
         if change == "telemetry":
             self.put(keys.telemetry(n), telemetry_value(n, 50.0))
@@ -158,14 +182,6 @@ class Replica:
                 target_devices=[f"{n}/ascend:1"],
             )
             self.put(keys.instance(inst.id), keys.encode_message(inst))
-        await self.settle()
-        st = self.state.current()
-        assert st.revision == self.cache.revision
-        after = self.cache.work.snapshot()
-        delta = {k: after[k] - before[k] for k in after}
-        delta["scheduler wakeups"] = self.scheduler_wake.version - woke
-        delta["streams sent to"] = len(self.sent())
-        return delta
 
 
 CHANGES = ("telemetry", "alive", "device status", "registration", "placement")
@@ -266,3 +282,98 @@ async def test_heartbeat_costs_one_ack_and_no_change() -> None:
             assert out.get_nowait() is None  # end of the stream
         finally:
             await r.close()
+
+
+async def _etcd_costs(store: EtcdStore, nodes: int) -> dict[str, dict[str, int]]:
+    """Registration and heartbeats through `NodeSessions` against real etcd, seen by a replica's
+    feeds (with a stream per node) and the leader's state, at a cluster of `nodes` nodes."""
+    await store.delete(keys.ROOT, prefix=True)
+    puts = []
+    for i in range(nodes):
+        n = name(i)
+        puts += [
+            PutOp(keys.node(n), node_value(n)),
+            PutOp(keys.alive(n), keys.encode({"replica": "r1", "lease": 0})),
+            PutOp(keys.telemetry(n), telemetry_value(n, 1.0)),
+        ]
+    for at in range(0, len(puts), 120):
+        assert (await store.txn([], puts[at : at + 120])).succeeded
+    feeds = Feeds(store)
+    await feeds.start()
+    cache = feeds.cache
+    state = cache.derived(IncrementalState)
+    wake = cache.topic(SCHEDULING)
+    settings = ReplicaSettings(name="r1", cert_dir="/nonexistent", etcd_endpoints=("https://127.0.0.1:1",))
+    sessions = NodeSessions(store, settings)
+    api = AgentService(sessions, feeds, "r1", 10)
+    queues: dict[str, asyncio.Queue[agent_pb2.ReplicaMessage | None]] = {}
+    tasks = []
+    for i in range(nodes):
+        n = name(i)
+        queues[n] = asyncio.Queue()
+        s = NodeSession(node=n, record=types_pb2.Node(name=n), lease=0, connected_at=0)
+        tasks.append(asyncio.create_task(api._push_assignments(s, queues[n])))
+    costs: dict[str, dict[str, int]] = {}
+    session: NodeSession | None = None
+
+    async def measure(what: str, act: Callable[[], Awaitable[object]]) -> None:
+        for _ in range(10):
+            await asyncio.sleep(0)
+        for q in queues.values():
+            while not q.empty():
+                q.get_nowait()
+        before, woke = cache.work.snapshot(), wake.version
+        await act()
+        assert await cache.wait_for_revision(await store.revision(), 30)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        state.current()
+        after = cache.work.snapshot()
+        costs[what] = {k: after[k] - before[k] for k in after}
+        costs[what]["scheduler wakeups"] = wake.version - woke
+        costs[what]["streams sent to"] = sum(1 for q in queues.values() if q.qsize())
+
+    async def register() -> None:
+        nonlocal session
+        reg = agent_pb2.RegisterNode(node="probe", address="127.0.0.1", devices=devices("probe"))
+        session = await sessions.register(reg, "agent:probe")
+
+    def beat(status: types_pb2.DeviceStatus.ValueType) -> Callable[[], Awaitable[object]]:
+        async def go() -> None:
+            assert session is not None
+            session.snapshot_at = 0.0  # a telemetry snapshot is due
+            samples = [
+                agent_pb2.DeviceSample(
+                    name=d.name, status=status, telemetry=types_pb2.DeviceTelemetry(utilization_pct=3.0)
+                )
+                for d in session.record.devices
+            ]
+            assert await sessions.heartbeat(session, agent_pb2.Heartbeat(seq=1, samples=samples))
+
+        return go
+
+    try:
+        await measure("registration", register)
+        await measure("heartbeat", beat(types_pb2.DEVICE_STATUS_READY))
+        await measure("heartbeat with a device status change", beat(types_pb2.DEVICE_STATUS_UNHEALTHY))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if session is not None:
+            await sessions.disconnect(session)
+            await store.lease_revoke(session.lease)
+        await feeds.stop()
+        await store.delete(keys.ROOT, prefix=True)
+    return costs
+
+
+async def test_real_etcd_registration_and_heartbeats_cost_the_same(store: EtcdStore) -> None:
+    small = await _etcd_costs(store, 100)
+    big = await _etcd_costs(store, 1000)
+    assert small == big, f"100 nodes: {small}\n1000 nodes: {big}"
+    assert big["heartbeat"]["events"] == 1 and big["heartbeat"]["decodes"] == 0  # one telemetry write
+    assert big["heartbeat"]["scheduler wakeups"] == 0 and big["heartbeat"]["streams sent to"] == 0
+    assert big["registration"]["events"] == 2 and big["registration"]["decodes"] == 1  # node + alive
+    changed = big["heartbeat with a device status change"]
+    assert changed["decodes"] == 1 and changed["scheduler wakeups"] == 1 and changed["streams sent to"] == 0
