@@ -328,4 +328,6 @@ def _clean_up_after_lost_supervisor(handle: SupervisorHandle) -> None:
     now = time.time()
     record = ExitRecord(ExitCause.STOPPED, None, None, None, None, "supervisor lost; engine killed", now, now)
     atomic_write_json(handle.instance_dir / EXIT_FILE, asdict(record))
-    atomic_write_json(handle.instance_dir / STATE_FILE, {**state, "status": SupervisorStatus.EXITED, "updated_at": now})
+    atomic_write_json(
+        handle.instance_dir / STATE_FILE, {**state, "status": SupervisorStatus.EXITED, "updated_at": now}
+    )
