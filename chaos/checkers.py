@@ -105,9 +105,12 @@ def engine_lives(entries: Sequence[Mapping[str, Any]]) -> tuple[list[EngineLife]
         k = (str(e["node"]), str(e.get("boot_id", "")), int(e["pid"]), str(e["instance"]))
         if e["event"] == "start":
             open_[k] = e
-        elif k in open_:
-            s = open_.pop(k)
-            lives.append(life(s, int(e["mono_ns"]), int(e["wall_ms"])))
+        else:
+            if k not in open_:  # a stop recorded with another pid: the instance's oldest open start
+                k = next((o for o in open_ if o[0] == k[0] and o[1] == k[1] and o[3] == k[3]), k)
+            if k in open_:
+                s = open_.pop(k)
+                lives.append(life(s, int(e["mono_ns"]), int(e["wall_ms"])))
     for (node, boot, _, _), s in open_.items():
         # an engine never stopped in an earlier boot ended when the node rebooted
         later = [w for (n, b), w in last_boot_start.items() if n == node and b != boot and w > s["wall_ms"]]
