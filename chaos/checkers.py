@@ -219,11 +219,14 @@ class Observation:
     replica_views: Mapping[str, str]
     """replica -> digest of its workload and device lists ("" when it did not answer)."""
     pending: int
-    """Instances that should run but are not Running."""
+    """Placed instances (they hold devices, so they should run) that are not Running, plus instances
+    of deleted workloads that are still there. Instances no device fits are not counted."""
     running_endpoints: frozenset[str]
     """workload=address of every Running instance."""
     gateway_routes: Mapping[str, frozenset[str] | None]
     """gateway -> the workload=address pairs it routes to (None when it did not answer)."""
+    pending_detail: str = ""
+    """Which instances are pending and in which phase."""
 
 
 def not_converged(o: Observation) -> str:
@@ -234,7 +237,7 @@ def not_converged(o: Observation) -> str:
     if len(views) > 1:
         return f"replicas disagree ({len(views)} different workload/device lists)"
     if o.pending:
-        return f"{o.pending} instances should run but are not Running"
+        return f"{o.pending} instances should run but are not Running: {o.pending_detail}"
     for g, routes in sorted(o.gateway_routes.items()):
         if routes is None:
             return f"gateway {g} not answering"

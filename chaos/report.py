@@ -64,7 +64,14 @@ def markdown(s: dict[str, Any]) -> str:
     ]
     first = next((c for c in s["checkers"] if not c["ok"]), None)
     if first:
-        lines += [f"First violation ({first['name']}):", "", "```", *first["violations"][:10], "```", ""]
+        lines += [
+            f"First violation ({first['name']}):",
+            "",
+            "```",
+            *(first["violations"][:10] or [first["summary"]]),
+            "```",
+            "",
+        ]
         if s.get("first_violation_context"):
             lines += ["Around it:", "", "```", *s["first_violation_context"], "```", ""]
     lines += [

@@ -143,16 +143,21 @@ def observe(probe: Probe, t0: float) -> Observation:
             ]
         )
         views[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
-    pending, running = 0, set()
+    pending: list[str] = []
+    running: set[str] = set()
     for w in summaries:
+        name = w.workload.spec.name
         live = [i for i in w.instances if i.phase == "Running" and i.endpoint]
-        running |= {f"{w.workload.spec.name}={i.endpoint}" for i in live}
-        if not w.workload.deleting:
-            pending += max(0, w.workload.spec.replicas - len(live))
-        elif w.instances:
-            pending += len(w.instances)
+        running |= {f"{name}={i.endpoint}" for i in live}
+        for i in w.instances:
+            if w.workload.deleting:
+                pending.append(f"{name}/{i.ordinal} {i.phase} (workload deleted)")
+            elif i.node and i.phase not in ("Running", "Stopped"):
+                pending.append(f"{name}/{i.ordinal} {i.phase} on {i.node}")
     routes = {g: gateway_routes(a) for g, a in probe.c.gateway_addrs.items()}
-    return Observation(time.time() - t0, views, pending, frozenset(running), routes)
+    return Observation(
+        time.time() - t0, views, len(pending), frozenset(running), routes, ", ".join(pending[:5])
+    )
 
 
 def sampler(probe: Probe, h: RunHistory, t0: float, stop: threading.Event) -> None:
