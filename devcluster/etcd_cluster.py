@@ -89,9 +89,7 @@ def build_etcd_cluster(
     binary = etcd_binary()
     ports = ports or [(free_port(), free_port()) for _ in names]
     hosts = hosts or ["127.0.0.1"] * len(names)
-    initial = ",".join(
-        f"{n}=https://{h}:{pp}" for n, h, (_, pp) in zip(names, hosts, ports, strict=True)
-    )
+    initial = ",".join(f"{n}=https://{h}:{pp}" for n, h, (_, pp) in zip(names, hosts, ports, strict=True))
     cluster = EtcdCluster()
     ca = cert_dir / "ca.crt"
     for name, host, (cp, pp) in zip(names, hosts, ports, strict=True):
