@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from chaos.netcluster import ETCD, NetCluster
 from chaos.netns import namespace_pids
 from devcluster.procs import ManagedProcess
-from kunlun_common.pki import paths_for
+from kunlun_common.api import cluster_pb2
 
 # kind -> (seconds the fault lasts before its heal, what it does)
 KINDS: dict[str, tuple[float, str]] = {
@@ -58,27 +56,17 @@ def _signal(proc: ManagedProcess, sig: int) -> None:
 
 
 def etcd_leader(cluster: NetCluster) -> str:
-    """The etcd member that is raft leader now ("" when none answers)."""
-    from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
-
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
-    creds = grpc.ssl_channel_credentials(p.ca.read_bytes(), p.key.read_bytes(), p.cert.read_bytes())
-    ids: dict[int, str] = {}
-    leader = 0
-    for m in cluster.etcd.members:
-        if not m.proc.alive():
-            continue
-        target = m.endpoint.removeprefix("https://")
-        with grpc.secure_channel(
-            target, creds, options=[("grpc.ssl_target_name_override", "localhost")]
-        ) as ch:
-            try:
-                st = rpc_pb2_grpc.MaintenanceStub(ch).Status(rpc_pb2.StatusRequest(), timeout=2.0)
-            except grpc.RpcError:
-                continue
-            ids[int(st.header.member_id)] = m.name
-            leader = int(st.leader) or leader
-    return ids.get(leader, "")
+    """The etcd member that is raft leader now, as the control plane reports it ("" when unknown)."""
+    try:
+        resp = cluster.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest(), timeout=3.0)
+    except RuntimeError:
+        return ""
+    assert isinstance(resp, cluster_pb2.ClusterStatusResponse)
+    by_endpoint = {m.endpoint: m.name for m in cluster.etcd.members}
+    for m in resp.etcd_members:
+        if m.leader:
+            return by_endpoint.get(m.endpoint, m.name if m.name in ETCD else "")
+    return ""
 
 
 def fill_disk(path: Path) -> int:
