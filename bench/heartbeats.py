@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -156,7 +157,9 @@ async def worker(cert_dir: str, endpoints: list[str], first: int, count: int) ->
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def measure(cluster: LocalCluster, n: int, window: float, procs: int) -> dict[str, Any]:
+async def measure(
+    cluster: LocalCluster, n: int, window: float, procs: int, register_within_s: float = 300.0
+) -> dict[str, Any]:
     eps = cluster.endpoints
     procs = max(1, min(procs, n))
     print(f"starting {procs} load-generator processes for {n} agents ...", flush=True)
@@ -205,7 +208,12 @@ async def measure(cluster: LocalCluster, n: int, window: float, procs: int) -> d
         await asyncio.wait_for(hear("ready"), 600)
         t0 = time.monotonic()
         await tell("go")
-        await asyncio.wait_for(hear("registered"), 600)
+        try:
+            await asyncio.wait_for(hear("registered"), register_within_s)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the {n} agents did not all register within {register_within_s:.0f}s"
+            ) from None
         registration_s = time.monotonic() - t0
         print(f"{n} agents registered in {registration_s:.1f}s; warming up 5s ...", flush=True)
         await asyncio.sleep(5)
@@ -265,10 +273,13 @@ async def measure(cluster: LocalCluster, n: int, window: float, procs: int) -> d
     }
 
 
-def run(nodes: int, window: float, procs: int = 0) -> dict[str, Any]:
+def run(nodes: int, window: float, procs: int = 0, register_within_s: float = 300.0) -> dict[str, Any]:
     """One measurement in its own temporary cluster (also used by bench.check)."""
+    # SIGTERM (e.g. from `timeout`) ends the run through the cleanup below, not around it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with temp_cluster(node_lease_ttl_s=10) as cluster:
-        return asyncio.run(measure(cluster, nodes, window, procs or max(2, -(-nodes // 250))))
+        procs = procs or max(2, -(-nodes // 250))
+        return asyncio.run(measure(cluster, nodes, window, procs, register_within_s))
 
 
 def main() -> None:
@@ -282,9 +293,10 @@ def main() -> None:
     ap.add_argument(
         "--procs", type=int, default=0, help="load-generator processes (default: 1 per 250 agents, >= 2)"
     )
+    ap.add_argument("--register-within", type=float, default=300.0, help="seconds allowed for registration")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args()
-    figures = run(a.nodes, a.window, a.procs)
+    figures = run(a.nodes, a.window, a.procs, a.register_within)
     if a.json:
         print(json.dumps(figures))
 

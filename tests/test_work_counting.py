@@ -349,6 +349,7 @@ async def _etcd_costs(store: EtcdStore, nodes: int) -> dict[str, dict[str, int]]
                 for d in session.record.devices
             ]
             assert await sessions.heartbeat(session, agent_pb2.Heartbeat(seq=1, samples=samples))
+            await sessions.flush(session)  # the state write runs beside the stream
 
         return go
 
