@@ -1,7 +1,7 @@
 """The in-process device plugin of one vendor: declarations + the vendor's tool -> devices with status.
 
 One `VendorPlugin` serves every declared device of one `device_type`. Each sample runs the vendor
-tool through its adapter (`node_agent.plugins.vendors`; the tool blocks, so async callers run it in a
+tool through its adapter (`node_agent.vendors`; the tool blocks, so async callers run it in a
 thread), cross-checks every declaration against what the tool reports and sets each device's status:
 
 | condition                                              | status    | reason                              |
@@ -43,8 +43,8 @@ from node_agent.plugins.contract import (
     status_name,
     total_distance,
 )
-from node_agent.plugins.vendors import ADAPTERS, adapter_for
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors import ADAPTERS, adapter_for
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     ObservedDevice,

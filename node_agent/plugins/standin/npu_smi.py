@@ -124,3 +124,6 @@ def main(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: Tex
         return 1
     out.write(render_info(chips))
     return 0
+
+
+TOOLS = {"npu-smi": main}

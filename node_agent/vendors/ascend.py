@@ -32,7 +32,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     HEALTH_UNKNOWN,
@@ -43,6 +43,7 @@ from node_agent.plugins.vendors.base import (
     parse_float,
     parse_int,
 )
+from node_agent.vendors.record import StandIn, Vendor, VendorRuntime
 
 _HEALTH = {"ok": HEALTH_OK, "warning": HEALTH_WARNING, "alarm": HEALTH_CRITICAL, "critical": HEALTH_CRITICAL}
 _BUS_ID_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
@@ -193,3 +194,18 @@ class AscendAdapter(VendorAdapter):
         if not devices and "Health" not in result.stdout:
             raise self._unparsable(command, "no NPU table found", result.stdout)
         return devices
+
+
+VENDOR = Vendor(
+    type_name="ascend",
+    aliases=("huawei", "npu"),
+    adapter=AscendAdapter,
+    runtime=VendorRuntime(
+        visible_env="ASCEND_RT_VISIBLE_DEVICES",
+        device_node=lambda n: f"/dev/davinci{n}",
+        shared_nodes=("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"),
+        # SGLang's Ascend guide: --device npu and the Ascend attention backend.
+        sglang_args=("--device", "npu", "--attention-backend", "ascend"),
+    ),
+    standin=StandIn(module="npu_smi", tools=("npu-smi",)),
+)
