@@ -41,6 +41,7 @@ from node_agent.vendors.base import format_command
 EXIT_OK, EXIT_UNUSABLE, EXIT_INVALID = 0, 1, 2
 REASON_WIDTH = 100  # the table shortens reasons to this (not with --verbose); the summary has them whole
 Say = Callable[[str], None]
+MEMORY_UNAVAILABLE = "memory unavailable (declared size unchecked)"
 
 
 def _indent(text: str, prefix: str = "      | ") -> str:
@@ -60,12 +61,14 @@ def _decl_line(config: NodeConfig, d: DeviceDecl) -> str:
 def _describe_run(plugin: VendorPlugin, run: ToolSample, verbose: bool, say: Say) -> None:
     where = run.executable or "not found on PATH"
     say(f"  {plugin.device_type}: running `{format_command(run.command)}` ({where})")
+    if run.tool != plugin.adapter.tool:
+        say(f"    ({plugin.adapter.tool} is not on PATH: {run.tool} runs instead)")
     if run.error is not None:
         say(f"    -> failed after {run.duration_s:.2f} s: {run.error}")
     else:
         say(f"    -> ok in {run.duration_s:.2f} s: {len(run.observed)} device(s) reported")
         for o in sorted(run.observed, key=lambda o: o.index):
-            memory = "?" if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
+            memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
             say(f"       index {o.index}: model {o.model!r}, {memory}, health {o.health}")
     if verbose:
         say("    raw output:")
@@ -78,7 +81,7 @@ def _describe_device(manager: DeviceManager, d: DeviceDecl, dev: types_pb2.Devic
     verdict = plugin.verdicts.get(dev.name) if plugin is not None else None
     if verdict is not None and verdict.observed is not None:
         o = verdict.observed
-        memory = "?" if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
+        memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
         say(
             f"    {plugin.tool if plugin else '?'} index {o.index}: model {o.model!r}, {memory}, "
             f"health {o.health}, {o.utilization_pct or 0:g}% busy, {o.memory_used_mb or 0} MB used"

@@ -68,3 +68,17 @@ def test_production_code_never_imports_the_simulator() -> None:
         if bad:
             offenders[str(path.relative_to(ROOT))] = bad
     assert offenders == {}
+
+
+def test_simulated_mode_is_injected_with_a_chip_usage_hook(tmp_path: Path) -> None:
+    from node_agent.plugins.config import load_config
+    from node_agent.simulation import simulated_mode
+
+    config = load_config(str(ROOT / "deploy" / "examples" / "node-a.yaml"))
+    mode = simulated_mode(config, tmp_path)
+    assert mode.env["PATH"].split(":")[0] == str((tmp_path / "sim-bin").resolve())
+    assert mode.state_path == (tmp_path / "sim-state.json").resolve()
+    mode.chip_usage("ascend", 1, 1234, 55.0)
+    chip = next(c for c in standin_state.read_state(mode.state_path) if c.index == 1)
+    assert (chip.memory_used_mb, chip.utilization_pct) == (1234, 55.0)
+    mode.chip_usage("ascend", 99, 1, 1.0)  # no such chip: logged, never raised into the executor
