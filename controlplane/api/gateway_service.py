@@ -214,7 +214,7 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[gateway_pb2.GatewayConfig]:
         """Push the whole config on every change (no polling)."""
         last: bytes | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             cfg = self.config()
             rev = cfg.revision
@@ -224,4 +224,4 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
                 last = body
                 cfg.revision = rev
                 yield cfg
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)

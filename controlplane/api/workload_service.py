@@ -127,13 +127,13 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> AsyncIterator[workload_pb2.EndpointsSnapshot]:
         """Push the routable endpoints on every change (full snapshot; no polling)."""
         last: list[workload_pb2.Endpoint] | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             snap = self.feeds.endpoints()
             if last is None or list(snap.endpoints) != last:
                 last = list(snap.endpoints)
                 yield snap
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)
 
     @rpc_stream
     async def Logs(

@@ -15,6 +15,7 @@ from controlplane.cli import (
     cluster_cmd,
     device_cmd,
     gateway_cmd,
+    model_cmd,
     node_cmd,
     rollout_cmd,
     scheduler_cmd,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
+    model_cmd.register(sub, common)
     return p
 
 
