@@ -27,8 +27,8 @@ class StoreSettings:
     """Private key of cert_path."""
     server_name: str = ""
     """Name checked against the etcd members' certificates (must be in every member's SANs).
-    Default: the endpoints' host when they share one; members on different hosts need a common
-    name in their certificates (`certs init --hosts`) given here."""
+    Default: the endpoints' host when they share one, else `etcd-peer.kunlun`, a name that every
+    etcd member certificate carries and that only the etcd CA issues."""
     request_timeout_s: float = 2.0
     """Deadline of one unary call; a paused member costs at most this before another is tried."""
     retry_deadline_s: float = 10.0

@@ -56,6 +56,7 @@ from controlplane.store.contract import (
 )
 from controlplane.store.leases import LeaseKeeper
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
 log = structlog.get_logger("store")
@@ -164,12 +165,9 @@ class EtcdStore:
         if self.settings.server_name:
             return self.settings.server_name
         hosts = {host_port(ep)[0] for ep in self.settings.endpoints}
-        if len(hosts) != 1:
-            raise ConfigError(
-                f"etcd endpoints on several hosts ({', '.join(sorted(hosts))}): set etcd_server_name to a "
-                "name that every member's certificate carries (kunlun-cli certs init --hosts)"
-            )
-        return hosts.pop()
+        # members on several hosts: the name every member certificate carries and only the etcd CA
+        # issues (kunlun_common.pki.ETCD_PEER_NAME) — a role check, not a name override
+        return hosts.pop() if len(hosts) == 1 else ETCD_PEER_NAME
 
     def _new_channel(self, target: str) -> grpc.aio.Channel:
         assert self._creds is not None
