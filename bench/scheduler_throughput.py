@@ -76,7 +76,7 @@ async def raw_cas_rate(store: EtcdStore, fence: Fence, n: int, in_flight: int, t
 
 
 async def scenario(store: EtcdStore, fence: Fence, nodes: int, workloads: int) -> dict[str, float]:
-    await store.delete(keys.ROOT + "nodes/", prefix=True)
+    await store.delete(keys.NODES, prefix=True)
     for p in (keys.ALIVE, keys.WORKLOADS, keys.WORKLOAD_NAMES, keys.INSTANCES, keys.ALLOC, keys.TELEMETRY):
         await store.delete(p, prefix=True)
     ops: list[PutOp] = []
