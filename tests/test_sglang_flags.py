@@ -75,11 +75,11 @@ def argparse_flags(source: str) -> dict[str, list[str] | None]:
     """Every `--flag` of `add_argument` calls -> its choices (None when not a list we can read)."""
     tree = ast.parse(source)
     lists: dict[str, list[str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if isinstance(node.value, ast.List | ast.Tuple):
-                values = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
-                lists[node.targets[0].id] = [str(v) for v in values]
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            if isinstance(stmt.value, ast.List | ast.Tuple):
+                values = [e.value for e in stmt.value.elts if isinstance(e, ast.Constant)]
+                lists[stmt.targets[0].id] = [str(v) for v in values]
     flags: dict[str, list[str] | None] = {}
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
