@@ -311,3 +311,13 @@ def test_fault_schedule_is_reproducible_from_its_seed_and_covers_every_kind() ->
     assert a == schedule(random.Random(5), 20)
     assert a != schedule(random.Random(6), 20)
     assert len(a) == 20 and set(a[: len(KINDS)]) == set(KINDS)
+
+
+def test_linearizable_ignores_calls_of_other_apis() -> None:
+    ops = [
+        _op(1, "submit", "w", 0, 1, arg=1),
+        _op(100, "rollout-create", "w", 2, 3),
+        _op(100, "rollout-abort", "w", 4, 5, result=FAILED, code="NOT_FOUND"),
+        _op(2, "get", "w", 6, 7, read="r=1"),
+    ]
+    assert check_name("w", ops).ok is True
