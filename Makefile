@@ -1,5 +1,5 @@
 # Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
-.PHONY: install demo down test lint typecheck proto bench clean dist
+.PHONY: install demo down test lint typecheck proto bench bench-check clean chaos soak dist
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,6 +22,15 @@ typecheck: install
 
 test: install lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/kunlun-chaos run --profile short --seed 1 --report chaos-report --timeout 900
+
+# The chaos suite (needs root: network namespaces, nftables): report in chaos-report/.
+CHAOS_SEED ?= 1
+chaos: install
+	$(VENV)/bin/kunlun-chaos run --profile short --seed $(CHAOS_SEED) --report chaos-report --timeout 900
+
+soak: install
+	$(VENV)/bin/kunlun-chaos run --profile soak --seed $(CHAOS_SEED) --report chaos-report-soak
 
 proto: install
 	$(PY) scripts/gen_proto.py
@@ -33,6 +42,10 @@ bench: install
 # The wheel and the offline bundle (wheelhouse, units, examples, manifest with SHA-256 of every file).
 dist: install
 	$(PY) -c 'from pathlib import Path; from kunlun_installer.bundle import build; build(Path("."), Path("dist"))'
+
+# short profiles of every benchmark vs bench/baseline.json, normalised by same-run references (not in CI)
+bench-check: install
+	$(PY) -m bench.check
 
 clean: down
 	rm -rf .kunlun

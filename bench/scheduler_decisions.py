@@ -33,6 +33,7 @@ from controlplane.scheduler import (
     schedule,
 )
 from kunlun_common.names import device_name
+from kunlun_common.states import DeviceState
 
 DEVICES_PER_NODE = 8
 # type, model, HBM MB, dtypes, fp16, bf16, int8 TFLOPS
@@ -65,7 +66,7 @@ def build_graph(nodes: int, rng: random.Random) -> GraphSnapshot:
                 int8_tflops=int8,
                 p2p_enabled=True,
                 topology_distance=rows[i],
-                status="Ready" if rng.random() > 0.03 else "Unhealthy",
+                status=DeviceState.READY if rng.random() > 0.03 else DeviceState.UNHEALTHY,
                 utilization_pct=90.0 if rng.random() < 0.1 else rng.uniform(0, 60),
                 temperature_c=90.0 if rng.random() < 0.02 else rng.uniform(35, 80),
             )
@@ -112,7 +113,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
 
 
-def bench(nodes: int, queue: int, seed: int) -> None:
+def bench(nodes: int, queue: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     graph = build_graph(nodes, rng)
     pending = build_queue(queue, rng)
@@ -158,6 +159,7 @@ def bench(nodes: int, queue: int, seed: int) -> None:
         f"({len(place_lat) / (sum(place_lat) / 1000):.0f} placements/s of decision time)"
     )
     print(f"  schedule(max_placements={config.max_placements_per_commit}): {commit_s * 1000:8.1f} ms")
+    return {"decisions_per_s": decided / full, "commit_sized_ms": commit_s * 1000}
 
 
 def main() -> None:

@@ -14,26 +14,30 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.auth import Ctx, abort
+from controlplane.api.rpc import Servicer, rpc_stream
 from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions, validate_registration
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import KunlunError
+from kunlun_common.tls import Identity
 
 log = structlog.get_logger("agent-api")
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):
+class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
+    SERVICE = "kunlun.v1.AgentService"
+
     def __init__(self, sessions: NodeSessions, feeds: Feeds, replica_name: str, lease_ttl_s: int) -> None:
         self.sessions = sessions
         self.feeds = feeds
         self.replica_name = replica_name
         self.lease_ttl_s = lease_ttl_s
 
+    @rpc_stream
     async def Connect(
-        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Ctx
+        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Ctx, ident: Identity
     ) -> AsyncIterator[agent_pb2.ReplicaMessage]:
-        ident = await authorize(context, "/kunlun.v1.AgentService/Connect")
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "register":
             await abort(
@@ -104,12 +108,23 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     async def _push_assignments(
         self, session: NodeSession, out: asyncio.Queue[agent_pb2.ReplicaMessage | None]
     ) -> None:
+        """Send the node's assignment set at start and whenever it changed.
+
+        Woken only by changes that can affect this node (its topic in the feeds' index): a
+        telemetry write or another node's placement costs this stream nothing."""
+        index = self.feeds.index
+        topic = index.subscribe(session.node)
+        work = self.feeds.cache.work
         last: list[agent_pb2.Assignment] | None = None
-        seen = -1
-        while True:
-            if self.feeds.cache.ready.is_set():
+        try:
+            await self.feeds.cache.ready.wait()
+            while True:
+                seen = topic.version
                 current = self.feeds.assignments_for(session.node)
                 if last is None or list(current.items) != last:
                     last = list(current.items)
+                    work.sends += 1
                     out.put_nowait(agent_pb2.ReplicaMessage(assignments=current))
-            seen = await self.feeds.cache.wait_version(seen if seen >= 0 else self.feeds.cache.version)
+                await topic.wait(seen)
+        finally:
+            index.unsubscribe(session.node)

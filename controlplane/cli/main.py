@@ -10,7 +10,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, rollout_cmd, workload_cmd
+from controlplane.cli import (
+    certs_cmd,
+    cluster_cmd,
+    declaration_cmd,
+    device_cmd,
+    gateway_cmd,
+    model_cmd,
+    node_cmd,
+    rollout_cmd,
+    scheduler_cmd,
+    workload_cmd,
+)
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
 from kunlun_common.errors import ConfigError, KunlunError
@@ -65,12 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="group", required=True)
     device_cmd.register(sub, common)
+    node_cmd.register(sub, common)
     cluster_cmd.register(sub, common)
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
-    workload_cmd.register_scheduler(sub, common)
+    scheduler_cmd.register(sub, common)
+    model_cmd.register(sub, common)
+    declaration_cmd.register(sub, common)
     return p
 
 
