@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from chaos.netns import Topology, TopologySettings
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.cluster import ClusterSpec, LocalCluster
-from devcluster.etcd_auth import enable_etcd_auth
 from devcluster.etcd_cluster import build_etcd_cluster
 from devcluster.procs import ManagedProcess, wait_for
 from kunlun_common.pki import ETCD_ADMIN, ETCD_CLIENT, ETCD_USER, create_ca, issue

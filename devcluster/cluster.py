@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from devcluster.etcd_auth import enable_etcd_auth
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
 from devcluster.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2

@@ -3,7 +3,7 @@
 Members trust only the etcd CA (kunlun_common.pki), on the client and the peer port, so no
 agent, gateway, operator or viewer certificate reaches etcd; each member gets a certificate
 folder of its own holding only its certificate and the etcd CA certificate. `start()` followed by
-`devcluster.etcd_auth.enable_etcd_auth` also turns on etcd's RBAC (users from the client CN).
+`controlplane.store.admin.enable_etcd_auth` also turns on etcd's RBAC (users from the client CN).
 
 Auto-compaction (periodic) and a backend space quota are always configured, so history cannot
 grow without bound; watch progress notifications every few seconds let our supervised watches

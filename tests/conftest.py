@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.cluster import ClusterSpec, LocalCluster
-from devcluster.etcd_auth import enable_etcd_auth
 from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
 from devcluster.procs import wait_for
 from kunlun_common.pki import ClusterCerts, etcd_client_paths, init_cluster_certs

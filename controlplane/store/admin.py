@@ -1,4 +1,5 @@
-"""Turn on etcd's own authentication for a Kunlun cluster (etcd 3.4 RBAC with client-cert users).
+"""etcd administration with the `kunlun-admin` certificate, loaded only for these calls:
+turning on etcd's own authentication (etcd 3.4 RBAC with client-cert users) and defragmenting.
 
 With `--client-cert-auth`, etcd takes the user name from the CN of the client certificate. After
 `enable_etcd_auth`:
@@ -73,7 +74,9 @@ async def _enable(endpoint: str, cert_dir: Path, prefix: str) -> None:
 
 
 def enable_etcd_auth(endpoints: tuple[str, ...], cert_dir: Path, prefix: str = CLUSTER_PREFIX) -> None:
-    """Create the users and roles and enable authentication, through the first endpoint that answers."""
+    """Create the users and roles and enable authentication, through the first endpoint that answers.
+
+    Blocking (it runs its own event loop): for launchers and tools, not for async code."""
     last: Exception | None = None
     for ep in endpoints:
         try:
@@ -82,3 +85,10 @@ def enable_etcd_auth(endpoints: tuple[str, ...], cert_dir: Path, prefix: str = C
         except grpc.aio.AioRpcError as e:
             last = e
     raise ConfigError(f"could not enable etcd authentication on {', '.join(endpoints)}: {last}")
+
+
+async def defragment(endpoint: str, cert_dir: Path, timeout_s: float = 60.0) -> None:
+    """Defragment one member's backend (root role: the `kunlun-admin` certificate)."""
+    host_port = endpoint.split("://", 1)[-1]
+    async with _channel(host_port, cert_dir, host_port.rsplit(":", 1)[0].strip("[]")) as ch:
+        await rpc.MaintenanceStub(ch).Defragment(rpc.DefragmentRequest(), timeout=timeout_s)
