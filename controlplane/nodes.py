@@ -266,12 +266,17 @@ class NodeSessions:
                 for s in list(self.sessions.values())
                 if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2
             ]
-            results = await asyncio.gather(*(self._refresh(s) for s in live), return_exceptions=True)
+            # spread over the first half of the period: no burst of hundreds of keep-alives at once
+            spread = period / 2 / max(1, len(live))
+            results = await asyncio.gather(
+                *(self._refresh(s, i * spread) for i, s in enumerate(live)), return_exceptions=True
+            )
             failed = sum(1 for r in results if isinstance(r, BaseException) or r is False)
             if failed:
                 log.warning("node lease refresh", refreshed=len(live) - failed, failed=failed)
 
-    async def _refresh(self, s: NodeSession) -> bool:
+    async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
+        await asyncio.sleep(after_s)
         try:
             ttl = await self.store.lease_keepalive(s.lease)
         except TemporaryError as e:
