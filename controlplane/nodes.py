@@ -22,6 +22,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
+from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("nodes")
 
@@ -277,11 +278,18 @@ class NodeSessions:
 
     async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
         await asyncio.sleep(after_s)
-        try:
-            ttl = await self.store.lease_keepalive(s.lease)
-        except TemporaryError as e:
-            log.warning("node lease refresh failed", node=s.node, error=str(e))
-            return False
+        # a failed refresh is retried at once (with jitter), not a whole period later: two missed
+        # periods would withhold the node's heartbeat acks
+        ttl = -1
+        for attempt in range(3):
+            try:
+                ttl = await self.store.lease_keepalive(s.lease)
+                break
+            except TemporaryError as e:
+                if attempt == 2:
+                    log.warning("node lease refresh failed", node=s.node, error=str(e))
+                    return False
+                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
         if ttl > 0:
             s.lease_ok_at = time.monotonic()
             return True
