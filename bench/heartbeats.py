@@ -58,6 +58,9 @@ class SimAgent:
                 index=i,
                 model="910B",
                 hbm_memory_mb=32768,
+                supported_dtypes=["fp16", "bf16", "int8"],
+                fp16_tflops=280.0,
+                bf16_tflops=280.0,
                 status=types_pb2.DEVICE_STATUS_READY,
             )
             for i in range(8)
