@@ -162,7 +162,15 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
-        package_pb2_grpc.add_PackageServiceServicer_to_server(PackageService(self.store), server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(
+            PackageService(
+                self.store,
+                self.settings.name,
+                self.settings.package_store_dir,
+                self.settings.package_store_quota_bytes,
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
