@@ -17,6 +17,7 @@ from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
@@ -33,6 +34,7 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2_grpc,
+    package_pb2_grpc,
     rollout_pb2_grpc,
     workload_pb2_grpc,
 )
@@ -160,6 +162,15 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(
+            PackageService(
+                self.store,
+                self.settings.name,
+                self.settings.package_store_dir,
+                self.settings.package_store_quota_bytes,
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
