@@ -34,7 +34,12 @@ MISSED_AFTER_S = 3.0
 
 
 class SimAgent:
+    """A simulated kunlun-agent: registers 8 devices, heartbeats every `period` seconds."""
+
+    period = 1.0
+
     def __init__(self, node: str, endpoint: str, creds: grpc.ChannelCredentials) -> None:
+        self.wlock = asyncio.Lock()  # one write at a time on the stream (heartbeats, reports)
         self.node = node
         self.endpoint = endpoint
         self.creds = creds
@@ -53,6 +58,9 @@ class SimAgent:
                 index=i,
                 model="910B",
                 hbm_memory_mb=32768,
+                supported_dtypes=["fp16", "bf16", "int8"],
+                fp16_tflops=280.0,
+                bf16_tflops=280.0,
                 status=types_pb2.DEVICE_STATUS_READY,
             )
             for i in range(8)
@@ -86,7 +94,7 @@ class SimAgent:
             assert first is not _EOF
             self.registered.set()
             reader = asyncio.create_task(self._read(call))
-            await asyncio.sleep(random.random())  # spread heartbeats over the second
+            await asyncio.sleep(random.random() * self.period)  # spread heartbeats over the period
             seq = 0
             try:
                 while True:
@@ -94,10 +102,13 @@ class SimAgent:
                     self.sent[seq] = time.monotonic()
                     if self.measuring:
                         self.sent_in_window += 1
-                    await call.write(
-                        agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(seq=seq, samples=self.samples()))
-                    )
-                    await asyncio.sleep(1.0)
+                    async with self.wlock:
+                        await call.write(
+                            agent_pb2.AgentMessage(
+                                heartbeat=agent_pb2.Heartbeat(seq=seq, samples=self.samples())
+                            )
+                        )
+                    await asyncio.sleep(self.period)
             finally:
                 reader.cancel()
 
