@@ -28,6 +28,9 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
     p.add_argument("--renew-deadline", type=float, help="leader renew deadline in seconds (default 3)")
     p.add_argument("--retry-period", type=float, help="leader retry period in seconds (default 1)")
     p.add_argument("--node-lease-ttl", type=int, help="node liveness lease TTL in seconds (default 10)")
+    p.add_argument(
+        "--metrics-listen", help="host:port of the Prometheus exporter (HTTPS, mTLS; port 0: free)"
+    )
     p.add_argument("--log-level", help="debug, info, warning, error")
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
@@ -39,6 +42,7 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         ("cert_dir", "cert_dir"),
         ("node_lease_ttl", "node_lease_ttl_s"),
         ("log_level", "log_level"),
+        ("metrics_listen", "metrics_listen"),
     ):
         if getattr(a, flag) is not None:
             data[key] = getattr(a, flag)

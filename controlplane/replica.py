@@ -13,15 +13,17 @@ import structlog
 from grpc_health.v1 import _async as health_aio  # the asyncio health servicer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane import keys
+from controlplane import keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.rollout_service import RolloutService
+from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
 from controlplane.lifecycle import NodeLifecycle
+from controlplane.metrics import ApiMetricsInterceptor, LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
@@ -34,9 +36,11 @@ from kunlun_common.api import (
     cluster_pb2_grpc,
     gateway_pb2_grpc,
     rollout_pb2_grpc,
+    telemetry_pb2_grpc,
     workload_pb2_grpc,
 )
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
+from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
 
@@ -76,11 +80,29 @@ class Replica:
             settings.election,
             loops=[self._lifecycle_loop, self.scheduler.run, self.rollouts.run],
         )
+        self.metrics = ReplicaMetrics(settings.name)
+        self.store.observer = self.metrics.etcd_observed
+        self.scheduler.metrics = self.metrics
+        self.metrics.leader_state = lambda: (
+            self.elector.is_leader,
+            self.elector.fence.epoch if self.elector.fence is not None and self.elector.is_leader else 0,
+        )
+        self.metrics.leader_view = self._leader_view
+        self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease = 0
+        self.metrics_address = ""
         self.stopped = asyncio.Event()
+
+    async def _leader_view(self) -> LeaderView:
+        nodes, spreads = await telemetry.nodes_and_spreads(self.store, self.sessions)
+        return LeaderView(
+            rollouts=rollout_rows(self.rollouts.current),
+            nodes=[(n.name, n.ready) for n in nodes],
+            spreads=spreads,
+        )
 
     async def _lifecycle_loop(self, fence: Fence) -> None:
         await self.lifecycle.run(fence)
@@ -118,6 +140,7 @@ class Replica:
             pid=os.getpid(),
             started_at_unix_ms=int(time.time() * 1000),
             version=VERSION,
+            metrics_address=self.metrics_address,
         )
         await self.store.put(keys.replica(self.settings.name), keys.encode_message(info), self._lease)
         self._info = info
@@ -137,13 +160,19 @@ class Replica:
     async def start(self) -> None:
         await self.store.connect()
         await self._wait_for_etcd()
+        if self.settings.metrics_listen:
+            self.metrics_server = MetricsServer(
+                self.settings.metrics_listen, self.tls, self.metrics.registry, self.metrics.prepare
+            )
+            self.metrics_address = await self.metrics_server.start()
         await self._register()
         await self.feeds.start()
         server = grpc.aio.server(
+            interceptors=[ApiMetricsInterceptor(self.metrics)],
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ]
+            ],
         )
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
             ClusterService(self.store, self.sessions, self.elector, self.settings.name), server
@@ -159,6 +188,9 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
+            TelemetryService(self.store, self.sessions, self.settings.name), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
@@ -189,6 +221,8 @@ class Replica:
         await self.feeds.stop()
         if self.server is not None:
             await self.server.stop(1.0)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.store.close()
         self.stopped.set()
 

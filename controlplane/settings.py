@@ -39,6 +39,9 @@ class ReplicaSettings:
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""
+    metrics_listen: str = ""
+    """host:port of the Prometheus exporter (HTTPS with the replica's certificate; client certificates of
+    role `monitoring`); port 0 picks a free one; empty: no exporter."""
     log_level: str = "info"
     """debug, info, warning or error."""
 
@@ -49,6 +52,12 @@ class ReplicaSettings:
             )
         if ":" not in self.listen:
             raise ConfigError(f"listen: expected host:port, found {self.listen!r}")
+        if self.metrics_listen:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(
+                    f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
+                )
         if self.node_lease_ttl_s < 3:
             raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
         if self.log_level not in ("debug", "info", "warning", "error"):

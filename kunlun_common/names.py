@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 
 DEVICE_TYPES = ("ascend", "cambricon", "hygon", "nvidia")
+# the company behind each device type (the `vendor` label of device metrics)
+VENDORS = {"ascend": "huawei", "cambricon": "cambricon", "hygon": "hygon", "nvidia": "nvidia"}
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _DEVICE_RE = re.compile(r"^(?P<node>[a-z0-9][a-z0-9-]*)/(?P<type>[a-z]+):(?P<index>\d+)$")
 

@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kunlun_common.errors import ConfigError
 
-ROLES = ("etcd", "replica", "agent", "gateway", "operator", "viewer")
+ROLES = ("etcd", "replica", "agent", "gateway", "operator", "viewer", "monitoring")
 ORG = "kunlun-platform"
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -176,6 +176,8 @@ class ClusterCerts:
     """Operator identities (may change state)."""
     viewers: tuple[str, ...] = ("viewer",)
     """Viewer identities (read only)."""
+    monitors: tuple[str, ...] = ("prometheus",)
+    """Monitoring identities: may scrape every process's metrics exporter and list scrape targets."""
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     """Extra SANs (addresses and host names) for every server certificate."""
 
@@ -191,6 +193,7 @@ def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = Cl
         ("gateway", spec.gateways),
         ("operator", spec.operators),
         ("viewer", spec.viewers),
+        ("monitoring", spec.monitors),
     ):
         for name in names:
             out.append(issue(cert_dir, role, name, hosts=spec.hosts).cert)

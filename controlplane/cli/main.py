@@ -10,7 +10,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, rollout_cmd, workload_cmd
+from controlplane.cli import (
+    certs_cmd,
+    cluster_cmd,
+    device_cmd,
+    gateway_cmd,
+    rollout_cmd,
+    telemetry_cmd,
+    workload_cmd,
+)
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
 from kunlun_common.errors import ConfigError, KunlunError
@@ -70,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
+    telemetry_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
     return p
 

@@ -1,0 +1,283 @@
+"""The replica's Prometheus metrics: leadership, API and etcd latency, the scheduler and rollouts.
+
+- every replica: `kunlun_replica_leader` / `kunlun_replica_leader_epoch`, API latency by method
+  and code (`ApiMetricsInterceptor`), etcd request latency and errors by operation (`EtcdStore`
+  calls `etcd_observed`);
+- the leader only (the others would repeat it): scheduler queue depth per priority, placements,
+  preemptions, decision latency and the reasons instances stay unplaced (`SchedulerLoop` reports
+  each tick through `scheduler_tick`), rollout phase and canary weight per workload, node
+  readiness, and the utilization spread across each workload's devices (`load_balance`).
+
+Labels stay bounded: methods and etcd operations are fixed sets, reasons are the first word of
+the scheduler's per-node reason (`CardTypeMismatch`, `InsufficientMemory`, ...), workloads and
+nodes are what the cluster holds. The snapshot part is copied on the event loop by `prepare()`
+and rendered in the exporter's thread (`kunlun_common.metrics_http`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from kunlun_common.api import rollout_pb2
+
+PRIORITIES = ("high", "normal", "low")
+ROLLOUT_PHASES = ("Progressing", "Completed", "Aborted", "Degraded")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class WorkloadSpread:
+    """The spread of utilization across one workload's devices (0..1 ratios)."""
+
+    workload: str
+    devices: int
+    mean: float
+    stddev: float
+    max_min: float
+
+
+def spread(workload: str, utilizations: list[float]) -> WorkloadSpread:
+    """Population standard deviation and max - min of the given utilization ratios."""
+    n = len(utilizations)
+    if not n:
+        return WorkloadSpread(workload, 0, 0.0, 0.0, 0.0)
+    mean = sum(utilizations) / n
+    var = sum((u - mean) ** 2 for u in utilizations) / n
+    return WorkloadSpread(workload, n, mean, math.sqrt(var), max(utilizations) - min(utilizations))
+
+
+@dataclass
+class LeaderView:
+    """What the leader exports, copied on the event loop."""
+
+    rollouts: list[tuple[str, str, float]] = field(default_factory=list)  # workload, phase, weight
+    nodes: list[tuple[str, bool]] = field(default_factory=list)
+    spreads: list[WorkloadSpread] = field(default_factory=list)
+
+
+class ReplicaCollector(Collector):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.leader = False
+        self.epoch = 0
+        self.view: LeaderView | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        leader = GaugeMetricFamily(
+            "kunlun_replica_leader", "1 while this replica is the elected leader", labels=("replica",)
+        )
+        leader.add_metric([self.name], 1.0 if self.leader else 0.0)
+        yield leader
+        epoch = GaugeMetricFamily(
+            "kunlun_replica_leader_epoch",
+            "Epoch (leader key create revision) of the leadership this replica holds; 0 when following",
+            labels=("replica",),
+        )
+        epoch.add_metric([self.name], float(self.epoch))
+        yield epoch
+        view = self.view
+        if view is None:
+            return
+        phase = GaugeMetricFamily(
+            "kunlun_rollout_phase", "1 for the rollout's current phase", labels=("workload", "phase")
+        )
+        weight = GaugeMetricFamily(
+            "kunlun_rollout_canary_weight_ratio",
+            "Share of the workload's traffic sent to its canary",
+            labels=("workload",),
+        )
+        for wl, ph, w in view.rollouts:
+            for p in ROLLOUT_PHASES:
+                phase.add_metric([wl, p], 1.0 if p == ph else 0.0)
+            weight.add_metric([wl], w)
+        yield phase
+        yield weight
+        ready = GaugeMetricFamily(
+            "kunlun_node_ready", "1 while the node's agent is heard from", labels=("node",)
+        )
+        for node, ok in view.nodes:
+            ready.add_metric([node], 1.0 if ok else 0.0)
+        yield ready
+        sd = GaugeMetricFamily(
+            "kunlun_workload_utilization_stddev_ratio",
+            "Standard deviation of utilization across the workload's devices",
+            labels=("workload",),
+        )
+        mm = GaugeMetricFamily(
+            "kunlun_workload_utilization_spread_ratio",
+            "Max minus min utilization across the workload's devices",
+            labels=("workload",),
+        )
+        for s in view.spreads:
+            if s.devices:
+                sd.add_metric([s.workload], s.stddev)
+                mm.add_metric([s.workload], s.max_min)
+        yield sd
+        yield mm
+
+
+class ReplicaMetrics:
+    """The replica's registry: live instruments plus the leader view copied by `prepare()`."""
+
+    def __init__(self, name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.api_latency = Histogram(
+            "kunlun_api_request_duration_seconds",
+            "gRPC API calls served by this replica, by method and status code",
+            ("method", "code"),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.etcd_latency = Histogram(
+            "kunlun_etcd_request_duration_seconds",
+            "etcd requests made by this replica, by operation (retries included)",
+            ("op",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.etcd_errors = Counter(
+            "kunlun_etcd_request_errors", "etcd requests that failed, by operation", ("op",), registry=r
+        )
+        self.queue_depth = Gauge(
+            "kunlun_scheduler_queue_depth",
+            "Pending instances per priority (leader only)",
+            ("priority",),
+            registry=r,
+        )
+        self.placements = Counter("kunlun_scheduler_placements", "Instances placed on devices", registry=r)
+        self.preemptions = Counter(
+            "kunlun_scheduler_preemptions", "Instances evicted for higher-priority ones", registry=r
+        )
+        self.decision = Histogram(
+            "kunlun_scheduler_decision_duration_seconds",
+            "Time one scheduler tick took to decide (before commit)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.unplaced = Gauge(
+            "kunlun_scheduler_unplaced_instances",
+            "Instances left unplaced by the last tick, by the most common reason across nodes",
+            ("reason",),
+            registry=r,
+        )
+        self.collector = ReplicaCollector(name)
+        r.register(self.collector)
+        ProcessCollector(registry=r)
+        self.leader_state: Callable[[], tuple[bool, int]] = lambda: (False, 0)
+        self.leader_view: Callable[[], Awaitable[LeaderView]] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def etcd_observed(self, op: str, seconds: float, failed: bool) -> None:
+        self.etcd_latency.labels(op).observe(seconds)
+        if failed:
+            self.etcd_errors.labels(op).inc()
+
+    def scheduler_tick(
+        self,
+        queue: dict[str, int],
+        placed: int,
+        evicted: int,
+        decision_s: float,
+        unplaced_reasons: dict[str, int],
+    ) -> None:
+        for p in PRIORITIES:
+            self.queue_depth.labels(p).set(queue.get(p, 0))
+        if placed:
+            self.placements.inc(placed)
+        if evicted:
+            self.preemptions.inc(evicted)
+        self.decision.observe(decision_s)
+        self.unplaced.clear()
+        for reason, n in unplaced_reasons.items():
+            self.unplaced.labels(reason).set(n)
+
+    def not_leader(self) -> None:
+        """Stop exporting the leader-only scheduler gauges (another replica now decides)."""
+        self.queue_depth.clear()
+        self.unplaced.clear()
+
+    async def prepare(self) -> None:
+        leader, epoch = self.leader_state()
+        self.collector.leader, self.collector.epoch = leader, epoch
+        if not leader:
+            self.not_leader()
+        self.collector.view = await self.leader_view() if leader and self.leader_view else None
+
+
+def reason_class(reason: str) -> str:
+    """`InsufficientMemory (needs 40000 MB, 32768 free)` -> `InsufficientMemory` (a bounded label)."""
+    word = reason.split(" ", 1)[0].split(":", 1)[0].strip("(;,")
+    return word if word.isidentifier() and len(word) <= 48 else "Other"
+
+
+def rollout_rows(rollouts: list[rollout_pb2.Rollout]) -> list[tuple[str, str, float]]:
+    return [(r.workload, r.phase, r.weight_pct / 100.0) for r in rollouts]
+
+
+class ApiMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Times every unary and server-streaming call by method and final status code."""
+
+    def __init__(self, metrics: ReplicaMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = str(details.method).rsplit("/", 1)[-1][:64]
+        hist = self.metrics.api_latency
+        if handler.unary_unary is not None:
+            inner: Any = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                t0 = time.perf_counter()
+                code = "OK"
+                try:
+                    return await inner(request, context)
+                except BaseException:
+                    code = _code(context, "UNKNOWN")
+                    raise
+                finally:
+                    if code == "OK":
+                        code = _code(context, "OK")
+                    hist.labels(method, code).observe(time.perf_counter() - t0)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _code(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str:
+    try:
+        c = context.code()
+    except Exception:
+        return default
+    if c is None:
+        return default
+    if isinstance(c, grpc.StatusCode):
+        return str(c.name)
+    try:
+        return str(grpc.StatusCode(c).name) if not isinstance(c, int) else _INT_CODES.get(c, default)
+    except ValueError:
+        return default
+
+
+_INT_CODES = {sc.value[0]: sc.name for sc in grpc.StatusCode}
