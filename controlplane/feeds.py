@@ -16,8 +16,7 @@ from controlplane.cache import GraphCache
 from controlplane.rollout import CANARY, canary_spec, decode_rollouts
 from controlplane.store import EtcdStore
 from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
-
-PLACED = ("Scheduled", "Starting", "Running")
+from kunlun_common.states import PLACED, InstancePhase
 
 
 def decode_status(raw: bytes) -> tuple[str, agent_pb2.InstanceStatus]:
@@ -38,7 +37,8 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     """Put what the node observed onto the instance record (only for its current placement)."""
     if node != inst.node or inst.phase not in PLACED:
         return
-    if st.phase and st.phase != "Pending":  # the agent's "Pending" (preparing) reads better as Scheduled
+    # the agent's Pending (preparing) reads better as Scheduled
+    if st.phase and st.phase != InstancePhase.PENDING:
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
@@ -130,7 +130,7 @@ class Feeds:
         eps = []
         for inst in self.instances():
             w = workloads.get(inst.workload_id)
-            if inst.phase == "Running" and inst.endpoint and w is not None and not w.deleting:
+            if inst.phase == InstancePhase.RUNNING and inst.endpoint and w is not None and not w.deleting:
                 eps.append(
                     workload_pb2.Endpoint(
                         instance_id=inst.id,

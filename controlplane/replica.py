@@ -39,6 +39,7 @@ from kunlun_common.api import (
     telemetry_pb2_grpc,
     workload_pb2_grpc,
 )
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import CertPaths
@@ -138,7 +139,7 @@ class Replica:
             name=self.settings.name,
             address=self.settings.advertise_address,
             pid=os.getpid(),
-            started_at_unix_ms=int(time.time() * 1000),
+            started_at_unix_ms=now_ms(),
             version=VERSION,
             metrics_address=self.metrics_address,
         )

@@ -29,11 +29,12 @@ from controlplane.scheduler.actions import (
 )
 from controlplane.scheduler.model import Placement
 from controlplane.scheduler.plan import schedule
-from controlplane.scheduler.snapshot import PLACED, ClusterState, decode_state, graph_snapshot, queue_inputs
+from controlplane.scheduler.snapshot import ClusterState, decode_state, graph_snapshot, queue_inputs
 from controlplane.store import KV, Compare, DeleteOp, EtcdStore, Op
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import TemporaryError
 from kunlun_common.names import DEVICE_TYPES
+from kunlun_common.states import PLACED, DeviceState
 
 log = structlog.get_logger("scheduler")
 COMMITS_IN_FLIGHT = 16
@@ -164,7 +165,7 @@ class SchedulerLoop:
         unhealthy: set[str] = set()
         for n in st.nodes.values():
             for d in n.devices:
-                if d.status == 2:  # DEVICE_STATUS_UNHEALTHY
+                if DeviceState.of(d.status) is DeviceState.UNHEALTHY:
                     unhealthy.add(d.name)
         self.unhealthy_since = {d: self.unhealthy_since.get(d, now) for d in unhealthy}
         for inst, kv in st.instances.values():

@@ -19,14 +19,7 @@ from controlplane.scheduler.model import (
 )
 from controlplane.store import KV
 from kunlun_common.api import rollout_pb2, types_pb2, workload_pb2
-
-STATUS = {
-    types_pb2.DEVICE_STATUS_READY: "Ready",
-    types_pb2.DEVICE_STATUS_UNHEALTHY: "Unhealthy",
-    types_pb2.DEVICE_STATUS_UNAVAILABLE: "Unavailable",
-    types_pb2.DEVICE_STATUS_ERROR: "Error",
-}
-PLACED = ("Scheduled", "Starting", "Running")
+from kunlun_common.states import PLACED, DeviceState, InstancePhase
 
 
 @dataclass
@@ -113,7 +106,9 @@ def graph_snapshot(st: ClusterState, exclude_nodes: frozenset[str] = frozenset()
             t = types_pb2.DeviceTelemetry()
             if isinstance(tele, dict) and d.name in tele:
                 json_format.ParseDict(tele[d.name], t, ignore_unknown_fields=True)
-            status = STATUS.get(d.status, "Error") if ready else "Unavailable"
+            status = DeviceState.of(d.status) if ready else DeviceState.UNAVAILABLE
+            if status is DeviceState.UNKNOWN:  # an unspecified status is a declaration error
+                status = DeviceState.ERROR
             holder = st.allocs.get(d.name)
             devices.append(
                 DeviceView(
@@ -148,7 +143,7 @@ def queue_inputs(st: ClusterState) -> tuple[list[PendingInstance], list[RunningI
         if wk is None or wk[0].deleting:
             continue
         req = workload_req(wk[0])
-        if inst.phase == "Pending":
+        if inst.phase == InstancePhase.PENDING:
             pending.append(PendingInstance(inst.id, req, inst.enqueued_at_unix_ms / 1000, int(inst.seq)))
         elif inst.phase in PLACED and inst.target_devices:
             started = inst.history[-1].at_unix_ms / 1000 if inst.history else 0.0
