@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kunlun_common.api import rollout_pb2
+
+log = structlog.get_logger("metrics")
 
 PRIORITIES = ("high", "normal", "low")
 ROLLOUT_PHASES = ("Progressing", "Completed", "Aborted", "Degraded")
@@ -60,6 +63,7 @@ def spread(workload: str, utilizations: list[float]) -> WorkloadSpread:
 class LeaderView:
     """What the leader exports, copied on the event loop."""
 
+    etcd: list[tuple[str, bool, int]] = field(default_factory=list)  # member, healthy, db size
     rollouts: list[tuple[str, str, float]] = field(default_factory=list)  # workload, phase, weight
     nodes: list[tuple[str, bool]] = field(default_factory=list)
     spreads: list[WorkloadSpread] = field(default_factory=list)
@@ -70,6 +74,9 @@ class ReplicaCollector(Collector):
         self.name = name
         self.leader = False
         self.epoch = 0
+        self.terms = 0
+        self.temperature_limit_c = 0.0
+        self.etcd_quota_bytes = 0
         self.view: LeaderView | None = None
 
     def collect(self) -> Iterator[Metric]:
@@ -85,9 +92,40 @@ class ReplicaCollector(Collector):
         )
         epoch.add_metric([self.name], float(self.epoch))
         yield epoch
+        terms = CounterMetricFamily(
+            "kunlun_replica_leader_terms",
+            "Leaderships this replica has won since it started",
+            labels=("replica",),
+        )
+        terms.add_metric([self.name], float(self.terms))
+        yield terms
         view = self.view
         if view is None:
             return
+        limit = GaugeMetricFamily(
+            "kunlun_scheduler_temperature_limit_celsius",
+            "The scheduler's temperature_limit_c: hotter devices get no new placement",
+        )
+        if self.temperature_limit_c:
+            limit.add_metric([], self.temperature_limit_c)
+        yield limit
+        db = GaugeMetricFamily(
+            "kunlun_etcd_db_size_bytes", "etcd database size per member", labels=("member",)
+        )
+        healthy = GaugeMetricFamily(
+            "kunlun_etcd_member_healthy", "1 while the member answers", labels=("member",)
+        )
+        for member, ok, size in view.etcd:
+            healthy.add_metric([member], 1.0 if ok else 0.0)
+            if ok:
+                db.add_metric([member], float(size))
+        yield db
+        yield healthy
+        quota = GaugeMetricFamily(
+            "kunlun_etcd_db_quota_bytes", "etcd's space quota (replica setting etcd_quota_bytes)"
+        )
+        quota.add_metric([], float(self.etcd_quota_bytes))
+        yield quota
         phase = GaugeMetricFamily(
             "kunlun_rollout_phase", "1 for the rollout's current phase", labels=("workload", "phase")
         )
@@ -174,7 +212,8 @@ class ReplicaMetrics:
         self.collector = ReplicaCollector(name)
         r.register(self.collector)
         ProcessCollector(registry=r)
-        self.leader_state: Callable[[], tuple[bool, int]] = lambda: (False, 0)
+        self.leader_state: Callable[[], tuple[bool, int, int]] = lambda: (False, 0, 0)
+        self.temperature_limit_c = 0.0
         self.leader_view: Callable[[], Awaitable[LeaderView]] | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -208,11 +247,18 @@ class ReplicaMetrics:
         self.unplaced.clear()
 
     async def prepare(self) -> None:
-        leader, epoch = self.leader_state()
-        self.collector.leader, self.collector.epoch = leader, epoch
+        leader, epoch, terms = self.leader_state()
+        c = self.collector
+        c.leader, c.epoch, c.terms, c.temperature_limit_c = leader, epoch, terms, self.temperature_limit_c
         if not leader:
             self.not_leader()
-        self.collector.view = await self.leader_view() if leader and self.leader_view else None
+        view = None
+        if leader and self.leader_view is not None:
+            try:
+                view = await self.leader_view()
+            except Exception as e:  # etcd unreachable: export what this replica knows by itself
+                log.warning("leader metrics unavailable", error=str(e)[:200])
+        self.collector.view = view
 
 
 def reason_class(reason: str) -> str:

@@ -87,7 +87,9 @@ class Replica:
         self.metrics.leader_state = lambda: (
             self.elector.is_leader,
             self.elector.fence.epoch if self.elector.fence is not None and self.elector.is_leader else 0,
+            self.elector.terms,
         )
+        self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
@@ -98,8 +100,11 @@ class Replica:
         self.stopped = asyncio.Event()
 
     async def _leader_view(self) -> LeaderView:
-        nodes, spreads = await telemetry.nodes_and_spreads(self.store, self.sessions)
+        (nodes, spreads), members = await asyncio.gather(
+            telemetry.nodes_and_spreads(self.store, self.sessions), self.store.member_statuses()
+        )
         return LeaderView(
+            etcd=[(m.name or m.endpoint, m.healthy, m.db_size_bytes) for m in members],
             rollouts=rollout_rows(self.rollouts.current),
             nodes=[(n.name, n.ready) for n in nodes],
             spreads=spreads,

@@ -39,6 +39,9 @@ class ReplicaSettings:
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""
+    etcd_quota_bytes: int = 2 * 1024**3
+    """etcd's space quota (`--quota-backend-bytes`; the launcher sets 2 GiB), exported so that the
+    near-quota alert compares the database size with it."""
     metrics_listen: str = ""
     """host:port of the Prometheus exporter (HTTPS with the replica's certificate; client certificates of
     role `monitoring`); port 0 picks a free one; empty: no exporter."""

@@ -19,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import structlog
 from cryptography import x509
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.tls import TlsMaterial, identity_of
@@ -70,6 +73,29 @@ def server_context(material: TlsMaterial) -> ssl.SSLContext:
     return ctx
 
 
+class CertificateCollector(Collector):
+    """`kunlun_certificate_expiry_timestamp_seconds` of the process's own certificate and its CA."""
+
+    def __init__(self, material: TlsMaterial) -> None:
+        cert = x509.load_pem_x509_certificate(material.cert)
+        ca = x509.load_pem_x509_certificate(material.ca)
+        ident = material.identity
+        self.rows = [
+            (ident.role, ident.name, cert.not_valid_after_utc.timestamp()),
+            ("ca", "ca", ca.not_valid_after_utc.timestamp()),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kunlun_certificate_expiry_timestamp_seconds",
+            "Unix time at which the process's certificate (and the cluster CA) expires",
+            labels=("role", "name"),
+        )
+        for role, name, at in self.rows:
+            g.add_metric([role, name], at)
+        yield g
+
+
 class MetricsServer:
     """`GET /metrics` on `listen` (HTTPS, mTLS, role `monitoring`), rendering `registry`."""
 
@@ -88,6 +114,7 @@ class MetricsServer:
         self.address = ""
         self.scrapes = 0
         self._lock = asyncio.Lock()
+        registry.register(CertificateCollector(material))
 
     async def start(self) -> str:
         """Start serving; return the bound host:port (port 0 in `listen` picks a free one)."""

@@ -302,6 +302,7 @@ class SchedulerLoop:
         placement, placed, unplaced, evicted = self.placement_units(st, now)
         units += placement
         if self.metrics is not None:
+            self.metrics.temperature_limit_c = st.config.temperature_limit_c
             self.metrics.scheduler_tick(
                 self._queue, placed, evicted, time.perf_counter() - t0, self._unplaced_reasons
             )
