@@ -306,13 +306,13 @@ class RolloutLoop:
         cache = GraphCache(self.store)
         await cache.start()
         try:
+            wake, seen = cache.topic((keys.ROLLOUTS, keys.GATEWAY_STATS, keys.WORKLOADS)), -1
             while not fence.lost.is_set():
                 try:
                     async with asyncio.timeout(1.0):
-                        await cache.changed.wait()
+                        seen = await wake.wait(seen)  # rollout-relevant changes only
                 except TimeoutError:
                     pass
-                cache.changed.clear()
                 await self.tick(fence, cache)
         finally:
             await cache.stop()

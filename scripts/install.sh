@@ -48,6 +48,14 @@ if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 \
   rm -rf .tools/download
 fi
 
+# the chaos suite's hosts are network namespaces joined by veth pairs, its network faults nftables rules
+if ! command -v ip >/dev/null 2>&1 && [ ! -x /usr/sbin/ip ] && [ ! -x /sbin/ip ]; then
+  apt_install iproute2
+fi
+if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
+  apt_install nftables
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "creating .venv with $PY ..."
   "$PY" -m venv .venv

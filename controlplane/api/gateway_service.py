@@ -395,7 +395,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         """Push the whole config on every change (no polling)."""
         await authorize(context, SVC + "WatchGatewayConfig")
         last: bytes | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             cfg = self.config()
             rev = cfg.revision
@@ -405,4 +405,4 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 last = body
                 cfg.revision = rev
                 yield cfg
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)

@@ -180,13 +180,13 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
         """Push the routable endpoints on every change (full snapshot; no polling)."""
         await authorize(context, SVC + "WatchEndpoints")
         last: list[workload_pb2.Endpoint] | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             snap = self.feeds.endpoints()
             if last is None or list(snap.endpoints) != last:
                 last = list(snap.endpoints)
                 yield snap
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)
 
     async def Logs(
         self, request: workload_pb2.WorkloadLogsRequest, context: Ctx

@@ -15,8 +15,13 @@ from controlplane.cli import (
     cluster_cmd,
     device_cmd,
     gateway_cmd,
+<<<<<<< HEAD
     rollout_cmd,
     telemetry_cmd,
+=======
+    model_cmd,
+    rollout_cmd,
+>>>>>>> main
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout_cmd.register(sub, common)
     telemetry_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
+    model_cmd.register(sub, common)
     return p
 
 
