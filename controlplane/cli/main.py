@@ -15,13 +15,9 @@ from controlplane.cli import (
     cluster_cmd,
     device_cmd,
     gateway_cmd,
-<<<<<<< HEAD
-    rollout_cmd,
-    telemetry_cmd,
-=======
     model_cmd,
     rollout_cmd,
->>>>>>> main
+    telemetry_cmd,
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
