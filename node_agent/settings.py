@@ -78,3 +78,7 @@ class AgentSettings:
     picks a free one; empty: no exporter."""
     executor: ExecutorSettings = field(default_factory=ExecutorSettings)
     """Engines: probes, restarts, sandbox policy, stop on disconnect."""
+    require_signed_config: bool = False
+    """Load the device declaration only with a valid detached signature (`FILE.sig`) by a trusted key."""
+    trusted_keys_dir: str = ""
+    """Folder of trusted Ed25519 public keys (*.pub) for signed declarations."""
