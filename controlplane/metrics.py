@@ -1,7 +1,7 @@
 """The replica's Prometheus metrics: leadership, API and etcd latency, the scheduler and rollouts.
 
 - every replica: `kunlun_replica_leader` / `kunlun_replica_leader_epoch`, API latency by method
-  and code (`ApiMetricsInterceptor`), etcd request latency and errors by operation (`EtcdStore`
+  and code (every unary handler's `@rpc` wrapper calls `api_observed`), etcd request latency and errors by operation (`EtcdStore`
   calls `etcd_observed`);
 - the leader only (the others would repeat it): scheduler queue depth per priority, placements,
   preemptions, decision latency and the reasons instances stay unplaced (`SchedulerLoop` reports
@@ -17,12 +17,9 @@ and rendered in the exporter's thread (`kunlun_common.metrics_http`).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -217,6 +214,10 @@ class ReplicaMetrics:
         self.leader_view: Callable[[], Awaitable[LeaderView]] | None = None
 
     # ------------------------------------------------------------------ hooks
+    def api_observed(self, method: str, code: str, seconds: float) -> None:
+        """One unary API call ended (told by controlplane/api/rpc.py)."""
+        self.api_latency.labels(method, code).observe(seconds)
+
     def etcd_observed(self, op: str, seconds: float, failed: bool) -> None:
         self.etcd_latency.labels(op).observe(seconds)
         if failed:
@@ -269,61 +270,3 @@ def reason_class(reason: str) -> str:
 
 def rollout_rows(rollouts: list[rollout_pb2.Rollout]) -> list[tuple[str, str, float]]:
     return [(r.workload, r.phase, r.weight_pct / 100.0) for r in rollouts]
-
-
-class ApiMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Times every unary and server-streaming call by method and final status code."""
-
-    def __init__(self, metrics: ReplicaMetrics) -> None:
-        self.metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        method = str(details.method).rsplit("/", 1)[-1][:64]
-        hist = self.metrics.api_latency
-        if handler.unary_unary is not None:
-            inner: Any = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                t0 = time.perf_counter()
-                code = "OK"
-                try:
-                    return await inner(request, context)
-                except BaseException:
-                    code = _code(context, "UNKNOWN")
-                    raise
-                finally:
-                    if code == "OK":
-                        code = _code(context, "OK")
-                    hist.labels(method, code).observe(time.perf_counter() - t0)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
-
-
-def _code(context: grpc.aio.ServicerContext[Any, Any], default: str) -> str:
-    try:
-        c = context.code()
-    except Exception:
-        return default
-    if c is None:
-        return default
-    if isinstance(c, grpc.StatusCode):
-        return str(c.name)
-    try:
-        return str(grpc.StatusCode(c).name) if not isinstance(c, int) else _INT_CODES.get(c, default)
-    except ValueError:
-        return default
-
-
-_INT_CODES = {sc.value[0]: sc.name for sc in grpc.StatusCode}

@@ -23,7 +23,7 @@ from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
 from controlplane.lifecycle import NodeLifecycle
-from controlplane.metrics import ApiMetricsInterceptor, LeaderView, ReplicaMetrics, rollout_rows
+from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
@@ -174,29 +174,25 @@ class Replica:
         await self._register()
         await self.feeds.start()
         server = grpc.aio.server(
-            interceptors=[ApiMetricsInterceptor(self.metrics)],
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ],
         )
-        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
-            ClusterService(self.store, self.sessions, self.elector, self.settings.name), server
-        )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s),
-            server,
-        )
-        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(
-            WorkloadService(self.store, self.feeds, self.tls), server
-        )
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayService(self.store, self.feeds, self.settings.name), server
-        )
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
-        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
-            TelemetryService(self.store, self.sessions, self.settings.name), server
-        )
+        cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name)
+        agent = AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s)
+        workload = WorkloadService(self.store, self.feeds, self.tls)
+        gateway = GatewayService(self.store, self.feeds, self.settings.name)
+        rollout = RolloutService(self.store)
+        telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc):
+            svc.observe_call = self.metrics.api_observed  # API latency by method and code
+        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(workload, server)
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(gateway, server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

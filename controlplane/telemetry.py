@@ -25,6 +25,7 @@ from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from kunlun_common.api import telemetry_pb2, types_pb2, workload_pb2
+from kunlun_common.errors import InvalidInput
 from kunlun_common.names import VENDORS
 
 MB = 1024 * 1024
@@ -45,7 +46,7 @@ _COND_RE = re.compile(r"^\s*([a-z_]+)\s*(==|!=|=~|!~|>=|<=|>|<)\s*(.*?)\s*$")
 MAX_FILTER_CHARS = 1000
 
 
-class FilterError(ValueError):
+class FilterError(InvalidInput):
     """A filter that cannot be parsed; the message names the condition and the fix."""
 
 

@@ -143,6 +143,11 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
     targets = json.loads((prometheus.base / "targets" / "kunlun.json").read_text())
     assert sorted(t["labels"]["job"] for t in targets) == ["agent"] * 2 + ["gateway"] * 3 + ["replica"] * 3
     wait_for(lambda: len(prometheus.query("up == 1")) == 8, 60, "Prometheus to scrape all 8 exporters")
+    # API latency by method and code (the filter test above made OK and INVALID_ARGUMENT calls)
+    codes = prometheus.query(
+        'sum by (code) (kunlun_api_request_duration_seconds_count{method="DeviceMetrics"})'
+    )
+    assert {s["metric"]["code"] for s in codes} == {"OK", "INVALID_ARGUMENT"}
     # each device's utilization, by device
     series = prometheus.query("kunlun_device_utilization_ratio")
     assert sorted(s["metric"]["device"] for s in series) == sorted(d.name for d in cluster.devices())

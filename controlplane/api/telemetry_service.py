@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from controlplane import keys, telemetry
-from controlplane.api.auth import Ctx, abort, authorize
-from controlplane.api.gateway_service import GATEWAYS
+from controlplane.api.auth import Ctx
+from controlplane.api.rpc import Servicer, rpc
 from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from kunlun_common.api import cluster_pb2, gateway_pb2, telemetry_pb2, telemetry_pb2_grpc, types_pb2
-
-SVC = "/kunlun.v1.TelemetryService/"
+from kunlun_common.tls import Identity
 
 
 def _address_ok(address: str) -> bool:
@@ -22,20 +19,19 @@ def _address_ok(address: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and len(address) <= 255)
 
 
-class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
+class TelemetryService(Servicer, telemetry_pb2_grpc.TelemetryServiceServicer):
+    SERVICE = "kunlun.v1.TelemetryService"
+
     def __init__(self, store: EtcdStore, sessions: NodeSessions, replica_name: str) -> None:
         self.store = store
         self.sessions = sessions
         self.replica_name = replica_name
 
+    @rpc
     async def DeviceMetrics(
-        self, request: telemetry_pb2.DeviceMetricsRequest, context: Ctx
+        self, request: telemetry_pb2.DeviceMetricsRequest, context: Ctx, who: Identity
     ) -> telemetry_pb2.DeviceMetricsResponse:
-        await authorize(context, SVC + "DeviceMetrics")
-        try:
-            conditions = telemetry.parse_filter(request.filter)
-        except telemetry.FilterError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        conditions = telemetry.parse_filter(request.filter)  # FilterError is an InvalidInput
         nodes, instances = await telemetry.cluster_view(self.store, self.sessions)
         rows = telemetry.device_metrics(nodes, telemetry.holders_of(instances))
         return telemetry_pb2.DeviceMetricsResponse(
@@ -44,14 +40,14 @@ class TelemetryService(telemetry_pb2_grpc.TelemetryServiceServicer):
             answered_by=self.replica_name,
         )
 
+    @rpc
     async def Targets(
-        self, request: telemetry_pb2.TargetsRequest, context: Ctx
+        self, request: telemetry_pb2.TargetsRequest, context: Ctx, who: Identity
     ) -> telemetry_pb2.TargetsResponse:
-        await authorize(context, SVC + "Targets")
         (rkvs, _), (nkvs, _), (gkvs, _) = await asyncio.gather(
             self.store.get_prefix(keys.REPLICAS),
             self.store.get_prefix(keys.NODES),
-            self.store.get_prefix(GATEWAYS),
+            self.store.get_prefix(keys.GATEWAYS),
         )
         out: list[telemetry_pb2.ScrapeTarget] = []
         for kv in rkvs:
