@@ -17,6 +17,7 @@ from controlplane import keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
@@ -35,6 +36,7 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2_grpc,
+    package_pb2_grpc,
     rollout_pb2_grpc,
     telemetry_pb2_grpc,
     workload_pb2_grpc,
@@ -185,7 +187,8 @@ class Replica:
         gateway = GatewayService(self.store, self.feeds, self.settings.name)
         rollout = RolloutService(self.store)
         telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc):
+        package = PackageService(self.store)
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, package):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
@@ -193,6 +196,7 @@ class Replica:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(gateway, server)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(package, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
