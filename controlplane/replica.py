@@ -188,7 +188,7 @@ class Replica:
         rollout = RolloutService(self.store)
         telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
         package = PackageService(self.store)
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, package):
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
