@@ -32,6 +32,12 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         "--metrics-listen", help="host:port of the Prometheus exporter (HTTPS, mTLS; port 0: free)"
     )
     p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument(
+        "--package-store-dir", help="this replica's model package folder ({name}: the replica name)"
+    )
+    p.add_argument(
+        "--package-store-quota-bytes", type=int, help="most bytes of packages in the cluster store"
+    )
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
     source = a.config or "flags"
@@ -43,6 +49,8 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         ("node_lease_ttl", "node_lease_ttl_s"),
         ("log_level", "log_level"),
         ("metrics_listen", "metrics_listen"),
+        ("package_store_dir", "package_store_dir"),
+        ("package_store_quota_bytes", "package_store_quota_bytes"),
     ):
         if getattr(a, flag) is not None:
             data[key] = getattr(a, flag)

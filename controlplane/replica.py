@@ -187,7 +187,12 @@ class Replica:
         gateway = GatewayService(self.store, self.feeds, self.settings.name)
         rollout = RolloutService(self.store)
         telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
-        package = PackageService(self.store)
+        package = PackageService(
+            self.store,
+            self.settings.name,
+            self.settings.package_store_dir,
+            self.settings.package_store_quota_bytes,
+        )
         for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)

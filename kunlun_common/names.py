@@ -27,6 +27,7 @@ VENDOR_NAMES: tuple[VendorName, ...] = (
     VendorName("cambricon"),
     VendorName("hygon"),
     VendorName("nvidia"),
+    VendorName("iluvatar", sglang_refusal="upstream SGLang has no Iluvatar CoreX device"),
 )
 DEVICE_TYPES = tuple(v.type_name for v in VENDOR_NAMES)
 # the company behind each device type (the `vendor` label of device metrics)
