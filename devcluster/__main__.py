@@ -54,7 +54,10 @@ def up(base: Path, free_ports: bool = False) -> int:
     print(f"\nleader: {cluster.leader()}   logs: {base}")
     print("gateways: " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values()))
     ca, cert, key = cluster.monitoring_tls()
-    print(f"metrics (HTTPS, client certificate {cert} with key {key}, CA {ca}):")
+    print(
+        f"metrics (HTTPS; client certificate {cert} with key {key}; "
+        f"servers signed by {ca} and {ca.with_name('replica-ca.crt')}):"
+    )
     for proc, addr in cluster.metrics_addrs.items():
         print(f"  {proc:<16} https://{addr}/metrics")
     print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)\n")

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from devcluster.procs import ManagedProcess, free_port, wait_for
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import CLUSTER_CA, REPLICA_CA, paths_for
 
 REPO = Path(__file__).resolve().parents[1]
 MONITORING = REPO / "deploy" / "monitoring"
@@ -32,9 +32,14 @@ def tool(name: str) -> str:
     return str(local)
 
 
+def scrape_roots(cert_dir: Path) -> bytes:
+    """What a scraper trusts: the cluster CA (agents, gateways) and the replica CA (replicas)."""
+    return (cert_dir / CLUSTER_CA).read_bytes() + (cert_dir / REPLICA_CA).read_bytes()
+
+
 def tls_context(cert_dir: Path, role: str, name: str) -> ssl.SSLContext:
     p = paths_for(cert_dir, role, name)
-    ctx = ssl.create_default_context(cafile=str(p.ca))
+    ctx = ssl.create_default_context(cadata=scrape_roots(cert_dir).decode())
     ctx.load_cert_chain(str(p.cert), str(p.key))
     return ctx
 
@@ -66,7 +71,7 @@ class Prometheus:
         certs = base / "certs"
         (certs / "monitoring").mkdir(parents=True, exist_ok=True)
         p = paths_for(cert_dir, "monitoring", "prometheus")
-        shutil.copy(p.ca, certs / "ca.crt")
+        (certs / "ca.crt").write_bytes(scrape_roots(cert_dir))
         shutil.copy(p.cert, certs / "monitoring" / "prometheus.crt")
         shutil.copy(p.key, certs / "monitoring" / "prometheus.key")
         self.proc = ManagedProcess(

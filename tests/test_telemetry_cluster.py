@@ -28,7 +28,7 @@ from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
 from kunlun_common.api import types_pb2
 from kunlun_common.pki import paths_for
-from tests.prom_helpers import Prometheus, promtool, scrape, tls_context
+from tests.prom_helpers import Prometheus, promtool, scrape, scrape_roots, tls_context
 from tests.sched_helpers import delete_all, get, submit
 from tests.test_monitoring_rules import EXPORTED, family
 
@@ -84,7 +84,7 @@ def test_every_exporter_is_promtool_clean_and_only_for_monitoring(cluster: Local
     addr = cluster.metrics_addrs["replica-1"]
     status, body = scrape(addr, tls_context(cluster.cert_dir, "operator", "admin"))
     assert status == 403 and b"monitoring" in body
-    anonymous = ssl.create_default_context(cafile=str(paths_for(cluster.cert_dir, "operator", "admin").ca))
+    anonymous = ssl.create_default_context(cadata=scrape_roots(cluster.cert_dir).decode())
     with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
         scrape(addr, anonymous)
 
