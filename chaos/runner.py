@@ -42,7 +42,7 @@ from chaos.history import FaultRecord, RunHistory, Sample, read_jsonl
 from chaos.netcluster import NetCluster, net_cluster
 from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import etcd_client_paths
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,16 @@ def context_for(v: Verdict, eh: EtcdHistory, h: RunHistory) -> list[str]:
             if abs(w.revision - rev) <= 5
         ]
         out += [f"rev {r}: leader {n}" for r, n in eh.leaders if abs(r - rev) <= 50]
-    t = re.search(r"at (\d+(?:\.\d+)?)s", first)
+    t = re.search(r"(\d+\.\d+)s", first)
     if t:
         at = float(t.group(1))
+        name = first.split(":", 1)[0]
+        out += [
+            f"client {o.client} {o.kind}({'' if o.arg is None else o.arg}) {name} [{o.start:.3f}s .. {o.end:.3f}s]"
+            f" {o.result} {o.code} {'' if o.read is None else repr(o.read)}"
+            for o in sorted(h.api, key=lambda o: o.start)
+            if o.name == name and at - 5 <= o.start <= at + 5
+        ]
         out += [
             f"fault {f.kind} {f.target} [{f.start:.1f}s..{f.end:.1f}s]"
             for f in h.faults
@@ -290,7 +297,7 @@ def drive(base: Path, run_id: str, profile_name: str, seed: int, out: Path, faul
             w.workload.spec.name: ("deleting" if w.workload.deleting else f"r={w.workload.spec.replicas}")
             for w in probe.workloads()
         }
-        certs = paths_for(cluster.cert_dir, "replica", "replica-1")
+        certs = etcd_client_paths(cluster.cert_dir)
         eh = asyncio.run(read_history(list(cluster.etcd.endpoints), certs))
         for row in read_jsonl([base / "load" / "api.jsonl", base / "load" / "serve.jsonl"]):
             h.add(row)

@@ -22,6 +22,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
+from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("nodes")
 
@@ -45,6 +46,9 @@ class NodeSession:
     snapshot_at: float = 0.0
     heartbeats: int = 0
     statuses: dict[str, agent_pb2.InstanceStatus] = field(default_factory=dict)
+    record_dirty: bool = False
+    snapshot_due: bool = False
+    writer: asyncio.Task[None] | None = None
 
 
 def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
@@ -166,15 +170,42 @@ class NodeSessions:
                 or abs(prev.temperature_c - s.telemetry.temperature_c) >= _BIG_TEMP_CHANGE
             ):
                 big = True
-        try:
-            if changed:
-                session.record.last_heartbeat_unix_ms = now_ms()
-                await self.store.put(keys.node(session.node), keys.encode_message(session.record))
-            if big or t - session.snapshot_at >= self.settings.telemetry_snapshot_s:
-                await self._write_snapshot(session)
-        except KunlunError as e:
-            log.warning("could not write node state", node=session.node, error=str(e))
+        if changed:
+            session.record_dirty = True
+        if big or t - session.snapshot_at >= self.settings.telemetry_snapshot_s:
+            session.snapshot_due = True
+            session.snapshot_at = t
+        if (session.record_dirty or session.snapshot_due) and (
+            session.writer is None or session.writer.done()
+        ):
+            # the ack never waits for etcd: the write runs beside the stream (one at a time per node)
+            session.writer = asyncio.create_task(
+                self._write_state(session), name=f"node-state-{session.node}"
+            )
         return t - session.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+
+    async def _write_state(self, session: NodeSession) -> None:
+        """Write what heartbeats changed (the node record, a telemetry snapshot) until nothing is left."""
+        while session.record_dirty or session.snapshot_due:
+            what = ""
+            try:
+                if session.record_dirty:
+                    what, session.record_dirty = "record", False
+                    session.record.last_heartbeat_unix_ms = now_ms()
+                    await self.store.put(keys.node(session.node), keys.encode_message(session.record))
+                if session.snapshot_due:
+                    what, session.snapshot_due = "snapshot", False
+                    await self._write_snapshot(session)
+            except KunlunError as e:
+                log.warning("could not write node state", node=session.node, error=str(e))
+                if what == "record":
+                    session.record_dirty = True  # the next heartbeat tries again
+                return
+
+    async def flush(self, session: NodeSession) -> None:
+        """Wait for the node's state writes in flight (tests, and a clean disconnect)."""
+        while session.writer is not None and not session.writer.done():
+            await asyncio.wait({session.writer})
 
     async def report(self, session: NodeSession, report: agent_pb2.InstanceReport) -> None:
         """Observed instance state from the agent: write what changed (status changes, not samples)."""
@@ -220,6 +251,9 @@ class NodeSessions:
         async with self._lock:
             if self.sessions.get(session.node) is session:
                 del self.sessions[session.node]
+        if session.writer is not None and not session.writer.done():
+            session.writer.cancel()
+            await asyncio.wait({session.writer})
         log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
 
     async def refresh_leases(self) -> None:
@@ -233,17 +267,29 @@ class NodeSessions:
                 for s in list(self.sessions.values())
                 if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2
             ]
-            results = await asyncio.gather(*(self._refresh(s) for s in live), return_exceptions=True)
+            # spread over the first half of the period: no burst of hundreds of keep-alives at once
+            spread = period / 2 / max(1, len(live))
+            results = await asyncio.gather(
+                *(self._refresh(s, i * spread) for i, s in enumerate(live)), return_exceptions=True
+            )
             failed = sum(1 for r in results if isinstance(r, BaseException) or r is False)
             if failed:
                 log.warning("node lease refresh", refreshed=len(live) - failed, failed=failed)
 
-    async def _refresh(self, s: NodeSession) -> bool:
-        try:
-            ttl = await self.store.lease_keepalive(s.lease)
-        except TemporaryError as e:
-            log.warning("node lease refresh failed", node=s.node, error=str(e))
-            return False
+    async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
+        await asyncio.sleep(after_s)
+        # a failed refresh is retried at once (with jitter), not a whole period later: two missed
+        # periods would withhold the node's heartbeat acks
+        ttl = -1
+        for attempt in range(3):
+            try:
+                ttl = await self.store.lease_keepalive(s.lease)
+                break
+            except TemporaryError as e:
+                if attempt == 2:
+                    log.warning("node lease refresh failed", node=s.node, error=str(e))
+                    return False
+                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
         if ttl > 0:
             s.lease_ok_at = time.monotonic()
             return True

@@ -17,6 +17,7 @@ from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
@@ -33,12 +34,12 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2_grpc,
+    package_pb2_grpc,
     rollout_pb2_grpc,
     workload_pb2_grpc,
 )
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
-from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("replica")
@@ -49,8 +50,10 @@ class Replica:
     def __init__(self, settings: ReplicaSettings) -> None:
         self.settings = settings
         self.etcd_wait_s = settings.etcd_wait_s
-        ca, cert, key = settings.cert_paths()
-        self.tls = tls.load_tls(CertPaths(ca, cert, key), expect_roles=("replica",))
+        own = settings.cert_paths()
+        cert = own.cert
+        self.tls = tls.load_tls(own, expect_roles=("replica",))
+        etcd_paths = settings.etcd_cert_paths()
         if self.tls.identity.name != settings.name:
             raise ConfigError(
                 f"{cert}: certificate is for replica {self.tls.identity.name!r} but this replica is named "
@@ -59,9 +62,9 @@ class Replica:
         self.store = EtcdStore(
             StoreSettings(
                 endpoints=settings.etcd_endpoints,
-                ca_path=str(ca),
-                cert_path=str(cert),
-                key_path=str(key),
+                ca_path=str(etcd_paths.ca),
+                cert_path=str(etcd_paths.cert),
+                key_path=str(etcd_paths.key),
                 server_name=settings.etcd_server_name,
             )
         )
@@ -160,6 +163,15 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(
+            PackageService(
+                self.store,
+                self.settings.name,
+                self.settings.package_store_dir,
+                self.settings.package_store_quota_bytes,
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

@@ -46,6 +46,10 @@ class ExecutorSettings:
     """Most tasks (processes and threads) in one instance's cgroup."""
     stop_engines_on_exit: bool = False
     """Stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them for the next agent)."""
+    require_signed_packages: bool = False
+    """Launch from a model package only when its signature verifies with a key in trusted_keys_dir."""
+    trusted_keys_dir: str = ""
+    """Folder of trusted Ed25519 public keys (*.pub) for packages (and signed declarations)."""
     cgroup_parent: str = "kunlun"
     """Parent cgroup; instances live in `<parent>/<node>/<instance_id>` of each hierarchy."""
 
@@ -68,8 +72,6 @@ class AgentSettings:
     """A replica that does not acknowledge a heartbeat within this long is left for the next."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and registering with one replica."""
-    server_name: str = "localhost"
-    """Name checked against the replicas' certificates."""
     node_service_listen: str = ""
     """host:port the agent's NodeService (instance logs, for replicas) listens on; empty: the node's
     address and a free port."""
