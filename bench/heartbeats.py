@@ -26,7 +26,7 @@ from bench.common import cpu_seconds, pct, temp_cluster
 from controlplane.store import EtcdStore, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
-from kunlun_common.pki import issue, paths_for
+from kunlun_common.pki import etcd_client_paths, issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -81,9 +81,7 @@ class SimAgent:
         ]
 
     async def run(self) -> None:
-        async with grpc.aio.secure_channel(
-            self.endpoint, self.creds, options=[("grpc.ssl_target_name_override", "localhost")]
-        ) as ch:
+        async with grpc.aio.secure_channel(self.endpoint, self.creds) as ch:
             call = agent_pb2_grpc.AgentServiceStub(ch).Connect()  # type: ignore[call-arg]
             await call.write(
                 agent_pb2.AgentMessage(
@@ -228,7 +226,7 @@ async def measure(
         registration_s = time.monotonic() - t0
         print(f"{n} agents registered in {registration_s:.1f}s; warming up 5s ...", flush=True)
         await asyncio.sleep(5)
-        p = paths_for(cluster.cert_dir, "replica", "replica-1")
+        p = etcd_client_paths(cluster.cert_dir)
         store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
         rev0 = await store.revision()
         pids = {name: proc.pid for name, proc in cluster.replicas.items()}

@@ -114,6 +114,7 @@ class NodeSessions:
             config_path=reg.config_path,
             updated_by=identity,
             node_service=reg.node_service,
+            metrics_address=reg.metrics_address,
         )
         for d in record.devices:
             d.ClearField("telemetry")

@@ -2,7 +2,8 @@
 
 State, logs and pids live under one folder (`.kunlun/` for `make demo`, a temp dir in tests):
 
-    certs/                 CA and every certificate
+    certs/                 every certificate and the CA certificates (CA keys: certs-ca-keys/)
+    bundles/<component>/   what each process receives: its own certificate + the CA certificates
     etcd/<member>/         data dir and log
     replicas/<name>.log    agents/<node>/agent.log + state     cluster.json (pids, ports)
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
 from devcluster.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
-from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.pki import ClusterCerts, bundle, etcd_client_paths, init_cluster_certs, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,8 @@ class ClusterSpec:
     """Number of inference gateways (one per control-plane host in production)."""
     gateway_args: tuple[str, ...] = ()
     """Extra flags for every gateway."""
+    metrics: bool = True
+    """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
 
 
 @dataclass
@@ -68,6 +72,8 @@ class LocalCluster:
     agents: dict[str, ManagedProcess] = field(default_factory=dict)
     gateways: dict[str, ManagedProcess] = field(default_factory=dict)
     gateway_addrs: dict[str, str] = field(default_factory=dict)
+    metrics_addrs: dict[str, str] = field(default_factory=dict)
+    """Process name (replica-1, agent-node-a, gateway-1) -> host:port of its metrics exporter."""
 
     @property
     def base(self) -> Path:
@@ -76,6 +82,10 @@ class LocalCluster:
     @property
     def cert_dir(self) -> Path:
         return self.base / "certs"
+
+    def bundle(self, role: str, name: str) -> Path:
+        """The certificate folder handed to one process: only its own certificate and the CAs."""
+        return bundle(self.cert_dir, self.base / "bundles" / name, role, name)
 
     @property
     def endpoints(self) -> list[str]:
@@ -89,6 +99,19 @@ class LocalCluster:
             data = yaml.safe_load(cfg.read_text())
             names.append(str(data["node"]["name"]))
         return names
+
+    def metrics_flag(self, process: str) -> list[str]:
+        """`--metrics-listen` for a process (the same port again when it restarts)."""
+        if not self.spec.metrics:
+            return []
+        if process not in self.metrics_addrs:
+            self.metrics_addrs[process] = f"127.0.0.1:{free_port()}"
+        return [f"--metrics-listen={self.metrics_addrs[process]}"]
+
+    def monitoring_tls(self) -> tuple[Path, Path, Path]:
+        """CA, certificate and key of the `monitoring` identity (what Prometheus scrapes with)."""
+        p = paths_for(self.cert_dir, "monitoring", "prometheus")
+        return p.ca, p.cert, p.key
 
     # ---------------------------------------------------------------- start
     def make_certs(self) -> None:
@@ -104,13 +127,14 @@ class LocalCluster:
         self.etcd.start()
         self.save()
         wait_for(self._etcd_healthy, timeout, "etcd members to form a cluster")
+        enable_etcd_auth(self.etcd.endpoints, self.cert_dir)
 
     def _etcd_healthy(self) -> bool:
         import asyncio
 
         from controlplane.store import EtcdStore, StoreSettings
 
-        p = paths_for(self.cert_dir, "replica", "replica-1")
+        p = etcd_client_paths(self.cert_dir)
 
         async def check() -> bool:
             store = EtcdStore(
@@ -139,12 +163,13 @@ class LocalCluster:
             "controlplane.main",
             f"--name={name}",
             f"--listen={address}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('replica', name)}",
             f"--etcd-endpoints={','.join(self.etcd.endpoints)}",
             f"--election-ttl={s.election_ttl_s}",
             f"--renew-deadline={s.renew_deadline_s}",
             f"--retry-period={s.retry_period_s}",
             f"--node-lease-ttl={s.node_lease_ttl_s}",
+            *self.metrics_flag(name),
             *s.replica_args,
         ]
 
@@ -176,8 +201,9 @@ class LocalCluster:
             "node_agent.main",
             f"--config={config}",
             f"--endpoints={','.join(self.endpoints)}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('agent', node)}",
             f"--state-dir={self.base / 'agents' / node}",
+            *self.metrics_flag(f"agent-{node}"),
             *self.spec.agent_args,
         ]
 
@@ -204,7 +230,8 @@ class LocalCluster:
             f"--name={name}",
             f"--listen={address}",
             f"--endpoints={','.join(self.endpoints)}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('gateway', name)}",
+            *self.metrics_flag(name),
             *self.spec.gateway_args,
         ]
 
@@ -240,7 +267,7 @@ class LocalCluster:
     # ---------------------------------------------------------------- probes
     def channel(self, address: str, role: str = "operator", name: str = "admin") -> grpc.Channel:
         creds = channel_credentials(load_tls(paths_for(self.cert_dir, role, name)))
-        return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+        return grpc.secure_channel(address, creds)
 
     def replica_serving(self, name: str) -> bool:
         with self.channel(self.replica_addrs[name]) as ch:
@@ -292,6 +319,7 @@ class LocalCluster:
             "pids": {p.name: p.pid for p in self.all_procs() if p.pid},
             "replicas": self.replica_addrs,
             "gateways": self.gateway_addrs,
+            "metrics": self.metrics_addrs,
             "etcd": list(self.etcd.endpoints),
         }
         (self.base / "cluster.json").write_text(json.dumps(data, indent=2))

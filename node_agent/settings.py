@@ -72,11 +72,12 @@ class AgentSettings:
     """A replica that does not acknowledge a heartbeat within this long is left for the next."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and registering with one replica."""
-    server_name: str = "localhost"
-    """Name checked against the replicas' certificates."""
     node_service_listen: str = ""
     """host:port the agent's NodeService (instance logs, for replicas) listens on; empty: the node's
     address and a free port."""
+    metrics_listen: str = ""
+    """host:port of the Prometheus exporter (HTTPS, client certificates of role `monitoring`); port 0
+    picks a free one; empty: no exporter."""
     executor: ExecutorSettings = field(default_factory=ExecutorSettings)
     """Engines: probes, restarts, sandbox policy, stop on disconnect."""
     require_signed_config: bool = False

@@ -14,7 +14,8 @@ from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
-from controlplane.workloads.spec import MAX_REPLICAS, checked
+from controlplane.workloads.package_checks import package_problems
+from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
@@ -50,6 +51,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         self, request: workload_pb2.SubmitWorkloadRequest, context: Ctx, who: Identity
     ) -> workload_pb2.SubmitWorkloadResponse:
         spec = checked(request.spec)
+        if problems := await package_problems(self.store, spec):
+            raise SpecError(problems)
         w, result = await records.submit(self.store, spec, str(who))
         return workload_pb2.SubmitWorkloadResponse(workload=w, result=result)
 
@@ -150,7 +153,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         address = self.feeds.node_service(inst.node)
         if not address:
             raise TemporaryError(f"node {inst.node} does not serve logs (agent too old or not connected)")
-        creds = channel_credentials(self.tls)
+        # the agent's NodeService must present the certificate of this node (cluster CA, the node's
+        # name in its SANs): the name checked is the node's, not the address's
+        creds = channel_credentials(self.tls, server_role="agent")
         async with grpc.aio.secure_channel(
             address, creds, options=[("grpc.ssl_target_name_override", inst.node)]
         ) as ch:

@@ -20,6 +20,7 @@ from controlplane.cli import (
     node_cmd,
     rollout_cmd,
     scheduler_cmd,
+    telemetry_cmd,
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
@@ -45,7 +46,7 @@ def make_client(args: argparse.Namespace) -> Client:
         raise CliError(str(e)) from None
     if args.endpoints:
         eps = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
-        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, server_name=cfg.server_name)
+        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, replica_ca=cfg.replica_ca)
     return Client(cfg, timeout_s=args.timeout)
 
 
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
+    telemetry_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
     return p

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -56,6 +57,7 @@ from controlplane.store.contract import (
 )
 from controlplane.store.leases import LeaseKeeper
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
 log = structlog.get_logger("store")
@@ -145,6 +147,8 @@ class EtcdStore:
         self._watch: Any = None
         self._keeper: LeaseKeeper | None = None
         self._creds: grpc.ChannelCredentials | None = None
+        # called after every request with (operation, seconds, failed); the replica's metrics
+        self.observer: Callable[[str, float, bool], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def _credentials(self) -> grpc.ChannelCredentials:
@@ -159,11 +163,22 @@ class EtcdStore:
             ) from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
+    def _server_name(self) -> str:
+        """The name every member's certificate must carry (see StoreSettings.server_name)."""
+        if self.settings.server_name:
+            return self.settings.server_name
+        hosts = {host_port(ep)[0] for ep in self.settings.endpoints}
+        # members on several hosts: the name every member certificate carries and only the etcd CA
+        # issues (kunlun_common.pki.ETCD_PEER_NAME) — a role check, not a name override
+        return hosts.pop() if len(hosts) == 1 else ETCD_PEER_NAME
+
     def _new_channel(self, target: str) -> grpc.aio.Channel:
         assert self._creds is not None
+        name = self._server_name()
         options = [
-            ("grpc.ssl_target_name_override", self.settings.server_name),
-            ("grpc.default_authority", self.settings.server_name),
+            # one channel balances over every member, so the name checked is one they all carry
+            ("grpc.ssl_target_name_override", name),
+            ("grpc.default_authority", name),
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.keepalive_time_ms", 5000),
             ("grpc.keepalive_timeout_ms", 3000),
@@ -201,9 +216,17 @@ class EtcdStore:
             except grpc.aio.AioRpcError as e:
                 raise translate(e, what) from None
 
-        if not retry:
-            return await once()
-        return await retry_until(once, self.settings.retry_deadline_s)
+        observer = self.observer
+        if observer is None:
+            return await (once() if not retry else retry_until(once, self.settings.retry_deadline_s))
+        t0 = time.perf_counter()
+        failed = True
+        try:
+            out = await (once() if not retry else retry_until(once, self.settings.retry_deadline_s))
+            failed = False
+            return out
+        finally:
+            observer(what.split(" ", 1)[0], time.perf_counter() - t0, failed)
 
     @property
     def _timeout(self) -> float:
@@ -228,7 +251,8 @@ class EtcdStore:
 
     async def revision(self) -> int:
         """The store's current revision."""
-        req = rpc.RangeRequest(key=b"\0", count_only=True)
+        # a key inside the cluster prefix: etcd's RBAC lets the replicas' user read nothing else
+        req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)
         resp = await self._call(
             "revision", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
         )
