@@ -42,6 +42,8 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
+    elif st.phase == "Pending" and st.reason.startswith("waiting for device"):
+        inst.reason = st.reason  # the node waits for an earlier engine to release a device
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts
@@ -62,8 +64,11 @@ class Feeds:
 
     def __init__(self, store: EtcdStore) -> None:
         self.cache = GraphCache(store)
+        self.store = store
+        self.cluster_id = 0
 
     async def start(self) -> None:
+        self.cluster_id = await self.store.cluster_id()
         await self.cache.start()
 
     async def stop(self) -> None:
@@ -122,7 +127,7 @@ class Feeds:
                 )
             )
         items.sort(key=lambda a: a.instance_id)
-        return agent_pb2.Assignments(items=items, revision=self.cache.revision)
+        return agent_pb2.Assignments(items=items, revision=self.cache.revision, cluster_id=self.cluster_id)
 
     def endpoints(self) -> workload_pb2.EndpointsSnapshot:
         workloads = self._workloads()

@@ -17,10 +17,12 @@ from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.ledger_service import LedgerService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
+from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.nodes import NodeSessions
 from controlplane.rollout import RolloutLoop
@@ -110,6 +112,14 @@ class Replica:
                     ) from None
                 await asyncio.sleep(delay)
 
+    async def _check_fencing(self) -> None:
+        """Refuse to start when a registered node's self-fencing is too slow for our node lease TTL
+        and the stored grace (controlplane/fencing.py)."""
+        grace = (await stored_config(self.store)).node_not_ready_grace_seconds
+        problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
+        if problems:
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
         info = cluster_pb2.ReplicaInfo(
@@ -137,6 +147,7 @@ class Replica:
     async def start(self) -> None:
         await self.store.connect()
         await self._wait_for_etcd()
+        await self._check_fencing()
         await self._register()
         await self.feeds.start()
         server = grpc.aio.server(
@@ -159,6 +170,7 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
+        agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

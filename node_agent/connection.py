@@ -43,7 +43,7 @@ class ReplicaLink:
         ack_timeout_s: float = 3.0,
         connect_timeout_s: float = 5.0,
         server_name: str = "localhost",
-        on_assignments: Callable[[agent_pb2.Assignments], None] | None = None,
+        on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
     ) -> None:

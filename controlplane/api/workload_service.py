@@ -11,6 +11,7 @@ import grpc
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
 from controlplane.feeds import Feeds, decode_status, overlay
+from controlplane.fencing import node_problems, registered_nodes
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
@@ -166,6 +167,8 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
             cfg = parse_scheduler_config(request.yaml, "scheduler_config.yaml")
         except ConfigError as e:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if problems := node_problems(await registered_nodes(self.store), cfg.node_not_ready_grace_seconds):
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "; ".join(problems))
         text = to_yaml(cfg)
         await self.store.put(
             keys.SCHEDULER_CONFIG,

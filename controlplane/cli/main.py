@@ -10,7 +10,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane.cli import certs_cmd, cluster_cmd, device_cmd, gateway_cmd, rollout_cmd, workload_cmd
+from controlplane.cli import (
+    certs_cmd,
+    cluster_cmd,
+    device_cmd,
+    gateway_cmd,
+    node_engines_cmd,
+    rollout_cmd,
+    workload_cmd,
+)
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
 from kunlun_common.errors import ConfigError, KunlunError
@@ -71,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
+    node_engines_cmd.register(sub, common)
     return p
 
 
