@@ -24,7 +24,7 @@ from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "deploy" / "examples"
 
 
