@@ -110,7 +110,11 @@ class Agent:
         )
         sim_state = Path(env[STATE_ENV]) if self.config.simulated and STATE_ENV in env else None
         self.executor = ExecutorManager(
-            ctx, protection_names(self.protections), self._seconds_since_contact, sim_state
+            ctx,
+            protection_names(self.protections),
+            self._seconds_since_contact,
+            sim_state,
+            fence_deadline_s=settings.executor.disconnect_stop_s,
         )
         self.node_service = NodeServiceServer(
             self.tls,

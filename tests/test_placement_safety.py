@@ -119,33 +119,36 @@ def running_on(cluster: LocalCluster, name: str, prefix: str) -> bool:
 
 
 def _lose_agent(cluster: LocalCluster, how: str) -> None:
-    """The agent of node-b frozen (SIGSTOP) or killed (-9) while its engine serves: no move before
-    the grace (on the leader's clock), and the old engine ends by itself before the new one starts."""
+    """The agent of the instance's node frozen (SIGSTOP) or killed (-9) while its engine serves: no
+    move before the grace (on the leader's clock), and the old engine ends by itself before the new
+    one starts on the other node."""
     submit(cluster, name="svc", model="m", preferred_device_types=["cambricon", "ascend"], replicas=1)
-    wait_for(lambda: running_on(cluster, "svc", "node-b/"), 60, "svc Running on node-b")
-    iid = get(cluster, "svc").instances[0].id
-    old = [e for e in ledger(cluster, "node-b") if e["instance"] == iid and e["event"] == "start"][-1]
+    wait_for(lambda: running_on(cluster, "svc", "node-"), 60, "svc Running")
+    inst = get(cluster, "svc").instances[0]
+    iid, lost = inst.id, inst.node
+    other = next(n for n in cluster.node_names() if n != lost)
+    old = [e for e in ledger(cluster, lost) if e["instance"] == iid and e["event"] == "start"][-1]
     assert pid_alive(old["pid"])
-    agent = cluster.agents["node-b"]
+    agent = cluster.agents[lost]
     if how == "stop":
         agent.pause()
     else:
         agent.kill()
     try:
-        wait_for(lambda: not nodes_ready(cluster)["node-b"], 30, "node-b NotReady")
+        wait_for(lambda: not nodes_ready(cluster)[lost], 30, f"{lost} NotReady")
         not_ready_at = time.monotonic()
-        wait_for(lambda: not targets(cluster, "svc")[0].startswith("node-b/"), 40, "svc moved")
+        wait_for(lambda: not targets(cluster, "svc")[0].startswith(f"{lost}/"), 40, "svc moved")
         moved_after = time.monotonic() - not_ready_at
         # the leader waited the grace from when it saw the lease gone (test polling adds lag, not less)
         assert moved_after >= GRACE_S - 1.0, f"moved {moved_after:.1f}s after NotReady, grace {GRACE_S}s"
         reasons = [h.reason for i in get(cluster, "svc").instances for h in i.history]
         assert any("NotReady" in r and "as seen by this leader" in r for r in reasons), reasons
-        wait_for(lambda: running_on(cluster, "svc", "node-a/"), 60, "svc Running on node-a")
+        wait_for(lambda: running_on(cluster, "svc", f"{other}/"), 60, f"svc Running on {other}")
         # the old engine stopped by itself (its agent is frozen or dead) and before the new one started
-        stops = [e for e in ledger(cluster, "node-b") if e["instance"] == iid and e["event"] == "stop"]
+        stops = [e for e in ledger(cluster, lost) if e["instance"] == iid and e["event"] == "stop"]
         assert stops and "fenced" in stops[-1]["cause"], stops
         assert not pid_alive(old["pid"])
-        new = [e for e in ledger(cluster, "node-a") if e["instance"] == iid and e["event"] == "start"]
+        new = [e for e in ledger(cluster, other) if e["instance"] == iid and e["event"] == "start"]
         assert new and stops[-1]["mono_ns"] < new[-1]["mono_ns"]
         assert stops[-1]["boot_id"] == new[-1]["boot_id"]
         assert overlaps(all_events(cluster)) == []
@@ -236,7 +239,7 @@ def test_grace_below_the_fencing_budget_is_refused(safe_cluster: LocalCluster) -
     msg = err.value.details() or ""
     assert "disconnect deadline 3s + stop grace 3s = 6s" in msg and "= 4s" in msg, msg
     text = _config_text(safe_cluster)  # the stored grace is unchanged
-    assert f"node_not_ready_grace_seconds: {GRACE_S}" in text
+    assert f"node_not_ready_grace_seconds: {GRACE_S:g}\n" in text
 
 
 def _config_text(cluster: LocalCluster) -> str:

@@ -109,8 +109,10 @@ class InstanceWorker:
         on_change: Callable[[], None],
         handle: SupervisorHandle | None = None,
         saved: dict[str, Any] | None = None,
+        fence_deadline_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
+        self.fence_deadline_s = fence_deadline_s
         self.assignment = assignment
         self.fingerprint = fingerprint
         self.on_change = on_change
@@ -276,7 +278,7 @@ class InstanceWorker:
             node=self.ctx.node,
             devices=tuple(self.assignment.devices),
             agent_state_dir=str(state_dir),
-            fence_deadline_s=self.ctx.settings.disconnect_stop_s,
+            fence_deadline_s=self.fence_deadline_s,
         )
         if await self._wait_for_devices(state_dir / devlock.LOCK_DIR, list(self.assignment.devices)):
             return None

@@ -82,8 +82,10 @@ class ExecutorManager:
         protections: Sequence[str],
         seconds_since_contact: Callable[[], float],
         sim_state: Path | None = None,
+        fence_deadline_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
+        self.fence_deadline_s = fence_deadline_s
         self.protections = list(protections)
         self.seconds_since_contact = seconds_since_contact
         self.sim_state = sim_state
@@ -246,7 +248,7 @@ class ExecutorManager:
     def _start_worker(
         self, a: agent_pb2.Assignment, handle: SupervisorHandle | None, saved: dict[str, Any] | None
     ) -> None:
-        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved)
+        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, self.fence_deadline_s)
         self.workers[a.instance_id] = w
         w.start()
         assert w.task is not None
