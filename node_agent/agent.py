@@ -50,10 +50,11 @@ def check_fencing(settings: AgentSettings) -> None:
             f"--disconnect-stop: {ex.disconnect_stop_s:g}s is shorter than an agent restart; expected at "
             f"least {fence.MIN_DEADLINE_S:g}s (restarting the agent must never stop its engines)"
         )
-    budget = ex.disconnect_stop_s + ex.stop_grace_s
+    budget = ex.disconnect_stop_s + fence.FENCE_SLACK_S + ex.stop_grace_s
     if budget >= DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:
         raise ConfigError(
-            f"--disconnect-stop {ex.disconnect_stop_s:g}s + --stop-grace {ex.stop_grace_s:g}s = {budget:g}s is "
+            f"--disconnect-stop {ex.disconnect_stop_s:g}s + fence check slack {fence.FENCE_SLACK_S:g}s + "
+            f"--stop-grace {ex.stop_grace_s:g}s = {budget:g}s is "
             f"not below the default node lease {DEFAULT_NODE_LEASE_S:g}s + node_not_ready_grace_seconds "
             f"{DEFAULT_NODE_GRACE_S:g}s = {DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:g}s: an engine cut off "
             "with its node could still run when its instance starts elsewhere; lower them"
@@ -147,7 +148,7 @@ class Agent:
             os.path.abspath(self.config.path),
             self.node_service_address,
         )
-        reg.disconnect_deadline_s = self.settings.executor.disconnect_stop_s
+        reg.disconnect_deadline_s = self.settings.executor.disconnect_stop_s + fence.FENCE_SLACK_S
         reg.stop_grace_s = self.settings.executor.stop_grace_s
         return reg
 

@@ -216,8 +216,8 @@ class RegisterNode(_message.Message):
     node_service: _builtins.str
     """host:port of the agent's own NodeService (logs), reachable by replicas."""
     disconnect_deadline_s: _builtins.float
-    """Self-fencing: each engine stops by itself this long after the agent's last acknowledged
-    heartbeat, then takes up to stop_grace_s to end. The replica refuses a registration unless
+    """Self-fencing: each engine stops by itself at most this long after the agent's last acknowledged
+    heartbeat (--disconnect-stop plus the supervisors' check slack), then takes up to stop_grace_s to end. The replica refuses a registration unless
     disconnect_deadline_s + stop_grace_s < node lease + node_not_ready_grace_seconds.
     """
     stop_grace_s: _builtins.float

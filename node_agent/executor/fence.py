@@ -18,6 +18,10 @@ from pathlib import Path
 
 FENCE_FILE = "fence.json"
 FENCE_CHECK_S = 0.5
+FENCE_SLACK_S = 1.0
+"""A supervisor acts this long after the lease's deadline: an agent that is alive stops its engines
+itself at the deadline (orderly, with a note); the supervisor is the backstop. The agent reports
+deadline + slack at registration, so the fencing rule accounts for it."""
 MIN_DEADLINE_S = 2.0
 """Shortest disconnect deadline accepted: it must outlast an agent restart."""
 
@@ -42,9 +46,11 @@ class Fence:
     """The boot the monotonic times belong to."""
 
     def expired(self, now_mono: float | None = None) -> bool:
+        """Whether engines must stop now (the deadline plus FENCE_SLACK_S has passed)."""
         if self.boot_id and self.boot_id != boot_id():
             return True  # written before a reboot: its times mean nothing now
-        return (time.monotonic() if now_mono is None else now_mono) >= self.deadline_mono
+        now = time.monotonic() if now_mono is None else now_mono
+        return now >= self.deadline_mono + FENCE_SLACK_S
 
 
 def renew(path: Path, last_ack_mono: float, deadline_s: float) -> None:

@@ -290,7 +290,7 @@ class ExecutorManager:
     async def _watchdog(self) -> None:
         limit = self.ctx.settings.disconnect_stop_s
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
+            await asyncio.sleep(min(0.25, limit / 4))
             since = self.seconds_since_contact()
             if self.suspended or since < limit:
                 continue

@@ -149,7 +149,7 @@ class _Supervisor:
         lease = fence.read(self.fence_file)
         now = time.monotonic()
         if lease is None:
-            if now - self.started_mono < self.spec.fence_deadline_s:
+            if now - self.started_mono < self.spec.fence_deadline_s + fence.FENCE_SLACK_S:
                 return None
             return f"fenced: no fence lease from the agent for {self.spec.fence_deadline_s:g}s"
         if not lease.expired(now):
