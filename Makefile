@@ -1,5 +1,5 @@
 # Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
-.PHONY: install demo down test lint typecheck proto bench clean
+.PHONY: install demo down test lint typecheck proto bench clean chaos soak
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,6 +22,15 @@ typecheck: install
 
 test: install lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/kunlun-chaos run --profile short --seed 1 --report chaos-report --timeout 900
+
+# The chaos suite (needs root: network namespaces, nftables): report in chaos-report/.
+CHAOS_SEED ?= 1
+chaos: install
+	$(VENV)/bin/kunlun-chaos run --profile short --seed $(CHAOS_SEED) --report chaos-report --timeout 900
+
+soak: install
+	$(VENV)/bin/kunlun-chaos run --profile soak --seed $(CHAOS_SEED) --report chaos-report-soak
 
 proto: install
 	$(PY) scripts/gen_proto.py

@@ -33,6 +33,7 @@ from controlplane.scheduler import (
     schedule,
 )
 from kunlun_common.names import device_name
+from kunlun_common.states import DeviceState
 
 DEVICES_PER_NODE = 8
 # type, model, HBM MB, dtypes, fp16, bf16, int8 TFLOPS
@@ -65,7 +66,7 @@ def build_graph(nodes: int, rng: random.Random) -> GraphSnapshot:
                 int8_tflops=int8,
                 p2p_enabled=True,
                 topology_distance=rows[i],
-                status="Ready" if rng.random() > 0.03 else "Unhealthy",
+                status=DeviceState.READY if rng.random() > 0.03 else DeviceState.UNHEALTHY,
                 utilization_pct=90.0 if rng.random() < 0.1 else rng.uniform(0, 60),
                 temperature_c=90.0 if rng.random() < 0.02 else rng.uniform(35, 80),
             )

@@ -26,7 +26,9 @@ from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
 from devcluster.etcd_cluster import build_etcd_cluster
 from devcluster.procs import wait_for
 from kunlun_common.api import types_pb2, workload_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.states import InstancePhase
 
 
 def node_record(i: int) -> types_pb2.Node:
@@ -84,7 +86,7 @@ async def scenario(store: EtcdStore, fence: Fence, nodes: int, workloads: int) -
         ops.append(PutOp(keys.alive(n.name), keys.encode({"replica": "bench"})))
     await batched(store, ops)
     ops = []
-    now = int(time.time() * 1000)
+    now = now_ms()
     for i in range(workloads):
         wid = f"w-{i:06d}"
         spec = workload_pb2.WorkloadSpec(
@@ -102,7 +104,7 @@ async def scenario(store: EtcdStore, fence: Fence, nodes: int, workloads: int) -
             id=f"{wid}-0",
             workload_id=wid,
             workload=spec.name,
-            phase="Pending",
+            phase=InstancePhase.PENDING,
             seq=i,
             enqueued_at_unix_ms=now,
             generation=1,

@@ -105,9 +105,12 @@ def engine_lives(entries: Sequence[Mapping[str, Any]]) -> tuple[list[EngineLife]
         k = (str(e["node"]), str(e.get("boot_id", "")), int(e["pid"]), str(e["instance"]))
         if e["event"] == "start":
             open_[k] = e
-        elif k in open_:
-            s = open_.pop(k)
-            lives.append(life(s, int(e["mono_ns"]), int(e["wall_ms"])))
+        else:
+            if k not in open_:  # a stop recorded with another pid: the instance's oldest open start
+                k = next((o for o in open_ if o[0] == k[0] and o[1] == k[1] and o[3] == k[3]), k)
+            if k in open_:
+                s = open_.pop(k)
+                lives.append(life(s, int(e["mono_ns"]), int(e["wall_ms"])))
     for (node, boot, _, _), s in open_.items():
         # an engine never stopped in an earlier boot ended when the node rebooted
         later = [w for (n, b), w in last_boot_start.items() if n == node and b != boot and w > s["wall_ms"]]
@@ -216,11 +219,14 @@ class Observation:
     replica_views: Mapping[str, str]
     """replica -> digest of its workload and device lists ("" when it did not answer)."""
     pending: int
-    """Instances that should run but are not Running."""
+    """Placed instances (they hold devices, so they should run) that are not Running, plus instances
+    of deleted workloads that are still there. Instances no device fits are not counted."""
     running_endpoints: frozenset[str]
     """workload=address of every Running instance."""
     gateway_routes: Mapping[str, frozenset[str] | None]
     """gateway -> the workload=address pairs it routes to (None when it did not answer)."""
+    pending_detail: str = ""
+    """Which instances are pending and in which phase."""
 
 
 def not_converged(o: Observation) -> str:
@@ -231,7 +237,7 @@ def not_converged(o: Observation) -> str:
     if len(views) > 1:
         return f"replicas disagree ({len(views)} different workload/device lists)"
     if o.pending:
-        return f"{o.pending} instances should run but are not Running"
+        return f"{o.pending} instances should run but are not Running: {o.pending_detail}"
     for g, routes in sorted(o.gateway_routes.items()):
         if routes is None:
             return f"gateway {g} not answering"

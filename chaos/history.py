@@ -105,19 +105,24 @@ class RunHistory:
     def read(cls, path: Path) -> RunHistory:
         h = cls()
         for obj in _lines(path):
-            kind = obj.pop("type")
-            obj = {k: (math.inf if v is None and k == "end" else v) for k, v in obj.items()}
-            if kind == "api":
-                h.api.append(ApiOp(**obj))
-            elif kind == "serve":
-                h.serve.append(ServeOp(**obj))
-            elif kind == "fault":
-                h.faults.append(FaultRecord(**obj))
-            elif kind == "sample":
-                h.samples.append(Sample(**obj))
-            elif kind == "meta":
-                h.last_heal = float(obj["last_heal"])
+            h.add(obj)
         return h
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Add one recorded row (as written by `write` or by the load generator)."""
+        obj = dict(row)
+        kind = obj.pop("type", "")
+        obj = {k: (math.inf if v is None and k == "end" else v) for k, v in obj.items()}
+        if kind == "api":
+            self.api.append(ApiOp(**obj))
+        elif kind == "serve":
+            self.serve.append(ServeOp(**obj))
+        elif kind == "fault":
+            self.faults.append(FaultRecord(**obj))
+        elif kind == "sample":
+            self.samples.append(Sample(**obj))
+        elif kind == "meta":
+            self.last_heal = float(obj["last_heal"])
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

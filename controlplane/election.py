@@ -25,6 +25,7 @@ import structlog
 
 from controlplane import keys
 from controlplane.store import Compare, EtcdStore, GetOp, Op, PutOp, TxnResult
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 
 log = structlog.get_logger("election")
@@ -157,7 +158,7 @@ class Elector:
                 "name": self.name,
                 "address": self.address,
                 "pid": os.getpid(),
-                "since_ms": int(time.time() * 1000),
+                "since_ms": now_ms(),
             }
         )
         try:
@@ -235,7 +236,7 @@ class Elector:
                             "name": self.name,
                             "epoch": fence.epoch,
                             "tick": tick,
-                            "at_ms": int(time.time() * 1000),
+                            "at_ms": now_ms(),
                         }
                     ),
                 )

@@ -3,21 +3,26 @@ connected node, the routable endpoints for gateways, and observed instance statu
 
 Agents get the full set of instances their node must run whenever it changes (idempotent: the
 agent reconciles against the whole set); gateways get the full endpoint set likewise.
+
+The cost of a change is proportional to what changed: `AssignmentIndex` decodes only the changed
+record and wakes only the streams of the nodes it affects; an assignment set is computed from the
+node's own index entry, never by scanning the graph. Telemetry, liveness and node records reach
+none of it (see `controlplane.cache`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import json_format
 
 from controlplane import keys
-from controlplane.cache import GraphCache
-from controlplane.rollout import CANARY, canary_spec, decode_rollouts
-from controlplane.store import EtcdStore
+from controlplane.cache import GraphCache, Topic
+from controlplane.rollout import CANARY, canary_spec
+from controlplane.store import KV, EtcdStore
 from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
-
-PLACED = ("Scheduled", "Starting", "Running")
+from kunlun_common.states import PLACED, InstancePhase
 
 
 def decode_status(raw: bytes) -> tuple[str, agent_pb2.InstanceStatus]:
@@ -38,11 +43,12 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     """Put what the node observed onto the instance record (only for its current placement)."""
     if node != inst.node or inst.phase not in PLACED:
         return
-    if st.phase and st.phase != "Pending":  # the agent's "Pending" (preparing) reads better as Scheduled
+    # the agent's Pending (preparing) reads better as Scheduled
+    if st.phase and st.phase != InstancePhase.PENDING:
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
-    elif st.phase == "Pending" and st.reason.startswith("waiting for device"):
+    elif st.phase == InstancePhase.PENDING and st.reason.startswith("waiting for device"):
         inst.reason = st.reason  # the node waits for an earlier engine to release a device
     inst.endpoint = st.endpoint
     inst.pid = st.pid
@@ -59,69 +65,205 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     inst.first_token_ms = st.first_token_ms
 
 
+class AssignmentIndex:
+    """Per-node and per-workload indexes of the decoded workloads, rollouts, instances and statuses.
+
+    A cache `Listener`: each change decodes only the changed record and updates the indexes, then
+    wakes only the nodes whose assignments it can affect (an instance's old and new node; a
+    workload's or rollout's instances' nodes). Telemetry, liveness and node records are not routed
+    here at all.
+    """
+
+    KINDS = (keys.WORKLOADS, keys.ROLLOUTS, keys.INSTANCES, keys.INSTANCE_STATUS)
+
+    def __init__(self, cache: GraphCache) -> None:
+        self.work = cache.work
+        self.workloads: dict[str, workload_pb2.Workload] = {}
+        self.rollouts: dict[str, rollout_pb2.Rollout] = {}
+        self.instances: dict[str, workload_pb2.Instance] = {}
+        self.statuses: dict[str, tuple[str, agent_pb2.InstanceStatus]] = {}
+        self.by_node: dict[str, set[str]] = {}
+        self.by_workload: dict[str, set[str]] = {}
+        self.node_topics: dict[str, Topic] = {}
+        self._subscribers: dict[str, int] = {}
+        cache.listen(self.KINDS, self)
+
+    # ------------------------------------------------------------------ subscriptions
+    def subscribe(self, node: str) -> Topic:
+        """The topic notified when `node`'s assignments may have changed."""
+        self._subscribers[node] = self._subscribers.get(node, 0) + 1
+        return self.node_topics.setdefault(node, Topic())
+
+    def unsubscribe(self, node: str) -> None:
+        left = self._subscribers.get(node, 0) - 1
+        if left > 0:
+            self._subscribers[node] = left
+        else:
+            self._subscribers.pop(node, None)
+            self.node_topics.pop(node, None)
+
+    def _wake(self, node: str) -> None:
+        if not node:
+            return
+        self.work.lookups += 1
+        topic = self.node_topics.get(node)
+        if topic is not None:
+            self.work.wakeups += 1
+            topic.notify()
+
+    def _wake_workload(self, wid: str) -> None:
+        self.work.lookups += 1
+        for iid in self.by_workload.get(wid, ()):
+            self.work.lookups += 1
+            inst = self.instances.get(iid)
+            if inst is not None:
+                self._wake(inst.node)
+
+    # ------------------------------------------------------------------ Listener
+    def reset(self, kvs: Mapping[str, KV]) -> None:
+        self.workloads.clear()
+        self.rollouts.clear()
+        self.instances.clear()
+        self.statuses.clear()
+        self.by_node.clear()
+        self.by_workload.clear()
+        for key, kv in kvs.items():
+            if key.startswith(self.KINDS):
+                self._update(key, kv)
+        for topic in self.node_topics.values():
+            topic.notify()
+
+    def apply(self, key: str, kv: KV | None) -> None:
+        self._update(key, kv)
+
+    def _update(self, key: str, kv: KV | None) -> None:
+        ident = keys.last_segment(key)
+        if key.startswith(keys.INSTANCES):
+            self._instance(ident, kv)
+        elif key.startswith(keys.INSTANCE_STATUS):
+            if kv is None:
+                self.statuses.pop(ident, None)
+            else:
+                self.work.decodes += 1
+                self.statuses[ident] = decode_status(kv.value)
+        elif key.startswith(keys.WORKLOADS):
+            if kv is None:
+                self.workloads.pop(ident, None)
+            else:
+                self.work.decodes += 1
+                self.workloads[ident] = keys.decode_message(kv.value, workload_pb2.Workload())  # type: ignore[assignment]
+            self._wake_workload(ident)
+        elif key.startswith(keys.ROLLOUTS):
+            if kv is None:
+                self.rollouts.pop(ident, None)
+            else:
+                self.work.decodes += 1
+                self.rollouts[ident] = keys.decode_message(kv.value, rollout_pb2.Rollout())  # type: ignore[assignment]
+            self._wake_workload(ident)
+
+    def _instance(self, iid: str, kv: KV | None) -> None:
+        old = self.instances.pop(iid, None)
+        if old is not None:
+            self.work.lookups += 2
+            _discard(self.by_node, old.node, iid)
+            _discard(self.by_workload, old.workload_id, iid)
+            self._wake(old.node)
+        if kv is None:
+            return
+        self.work.decodes += 1
+        inst = workload_pb2.Instance()
+        keys.decode_message(kv.value, inst)
+        self.instances[iid] = inst
+        self.work.lookups += 2
+        if inst.node:
+            self.by_node.setdefault(inst.node, set()).add(iid)
+        self.by_workload.setdefault(inst.workload_id, set()).add(iid)
+        if old is None or old.node != inst.node:
+            self._wake(inst.node)
+
+
+def _discard(index: dict[str, set[str]], name: str, iid: str) -> None:
+    ids = index.get(name)
+    if ids is not None:
+        ids.discard(iid)
+        if not ids:
+            del index[name]
+
+
+ROUTING = (
+    keys.WORKLOADS,
+    keys.ROLLOUTS,
+    keys.INSTANCES,
+    keys.INSTANCE_STATUS,
+    keys.ROOT + "gateway-keys/",
+    keys.ROOT + "gateway-policies/",
+)
+"""What the endpoint and gateway-config feeds are computed from (they wake on nothing else)."""
+
+
 class Feeds:
     """A replica's live view for assignments, endpoints and status overlays."""
 
-    def __init__(self, store: EtcdStore) -> None:
+    def __init__(self, store: EtcdStore | None) -> None:
         self.cache = GraphCache(store)
+        self.index = AssignmentIndex(self.cache)
+        self.routing = self.cache.topic(ROUTING)
+        """Notified when endpoints or the gateway configuration may have changed."""
         self.store = store
         self.cluster_id = 0
+        """The etcd cluster id, sent with every assignment set (agents order sets by it and revision)."""
 
     async def start(self) -> None:
-        self.cluster_id = await self.store.cluster_id()
+        if self.store is not None:
+            self.cluster_id = await self.store.cluster_id()
         await self.cache.start()
 
     async def stop(self) -> None:
         await self.cache.stop()
 
-    def _workloads(self) -> dict[str, workload_pb2.Workload]:
-        out: dict[str, workload_pb2.Workload] = {}
-        for kv in self.cache.prefix(keys.WORKLOADS):
-            w = workload_pb2.Workload()
-            keys.decode_message(kv.value, w)
-            out[w.id] = w
-        return out
-
     def rollouts(self) -> dict[str, rollout_pb2.Rollout]:
-        """Rollouts by workload id."""
-        return {wid: r for wid, (r, _) in decode_rollouts(self.cache.prefix(keys.ROLLOUTS)).items()}
+        """Rollouts by workload id (shared decoded records: read, never modify)."""
+        return dict(self.index.rollouts)
 
     def spec_of(
-        self, inst: workload_pb2.Instance, w: workload_pb2.Workload, rollouts: dict[str, rollout_pb2.Rollout]
+        self,
+        inst: workload_pb2.Instance,
+        w: workload_pb2.Workload,
+        rollouts: Mapping[str, rollout_pb2.Rollout],
     ) -> workload_pb2.WorkloadSpec:
         """The spec an instance runs: its workload's, or the rollout's canary spec for a canary."""
         r = rollouts.get(w.id)
         return canary_spec(w, r) if inst.variant == CANARY and r is not None else w.spec
 
     def instances(self) -> list[workload_pb2.Instance]:
-        statuses = {
-            keys.last_segment(kv.key): decode_status(kv.value)
-            for kv in self.cache.prefix(keys.INSTANCE_STATUS)
-        }
+        """Every instance with what its node observed put on it (copies: the caller may modify)."""
         out = []
-        for kv in self.cache.prefix(keys.INSTANCES):
+        for iid, rec in self.index.instances.items():
             inst = workload_pb2.Instance()
-            keys.decode_message(kv.value, inst)
-            if inst.id in statuses:
-                overlay(inst, *statuses[inst.id])
+            inst.CopyFrom(rec)
+            seen = self.index.statuses.get(iid)
+            if seen is not None:
+                overlay(inst, *seen)
             out.append(inst)
         return out
 
     def assignments_for(self, node: str) -> agent_pb2.Assignments:
-        workloads = self._workloads()
-        rollouts = self.rollouts()
+        """The node's full assignment set, from the per-node index: O(instances on the node)."""
+        idx = self.index
+        self.cache.work.computes += 1
+        self.cache.work.lookups += 1
         items = []
-        for kv in self.cache.prefix(keys.INSTANCES):
-            inst = workload_pb2.Instance()
-            keys.decode_message(kv.value, inst)
-            w = workloads.get(inst.workload_id)
+        for iid in idx.by_node.get(node, ()):
+            self.cache.work.lookups += 2
+            inst = idx.instances[iid]
+            w = idx.workloads.get(inst.workload_id)
             if inst.node != node or inst.phase not in PLACED or w is None or w.deleting:
                 continue
             items.append(
                 agent_pb2.Assignment(
                     instance_id=inst.id,
                     workload_id=inst.workload_id,
-                    spec=self.spec_of(inst, w, rollouts),
+                    spec=self.spec_of(inst, w, idx.rollouts),
                     devices=list(inst.target_devices),
                     generation=inst.generation,
                 )
@@ -130,18 +272,17 @@ class Feeds:
         return agent_pb2.Assignments(items=items, revision=self.cache.revision, cluster_id=self.cluster_id)
 
     def endpoints(self) -> workload_pb2.EndpointsSnapshot:
-        workloads = self._workloads()
-        rollouts = self.rollouts()
+        idx = self.index
         eps = []
         for inst in self.instances():
-            w = workloads.get(inst.workload_id)
-            if inst.phase == "Running" and inst.endpoint and w is not None and not w.deleting:
+            w = idx.workloads.get(inst.workload_id)
+            if inst.phase == InstancePhase.RUNNING and inst.endpoint and w is not None and not w.deleting:
                 eps.append(
                     workload_pb2.Endpoint(
                         instance_id=inst.id,
                         address=inst.endpoint,
                         workload=w.spec.name,
-                        model=self.spec_of(inst, w, rollouts).model,
+                        model=self.spec_of(inst, w, idx.rollouts).model,
                         node=inst.node,
                         variant=inst.variant,
                     )

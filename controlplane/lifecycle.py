@@ -3,13 +3,12 @@ Ready/NotReady transitions with timestamps (fenced writes), which later loops ac
 
 from __future__ import annotations
 
-import time
-
 import structlog
 
 from controlplane import keys
 from controlplane.election import Fence
 from controlplane.store import EtcdStore, Resync
+from kunlun_common.clock import now_ms
 
 log = structlog.get_logger("node-lifecycle")
 
@@ -26,7 +25,7 @@ class NodeLifecycle:
             return
         await fence.put(
             keys.node_status(node),
-            keys.encode({"ready": ready, "since_ms": int(time.time() * 1000), "reason": reason}),
+            keys.encode({"ready": ready, "since_ms": now_ms(), "reason": reason}),
         )
         self.status[node] = ready
         log.info("node readiness changed", node=node, ready=ready, reason=reason)

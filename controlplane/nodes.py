@@ -19,6 +19,7 @@ from controlplane import keys
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, PutOp
 from kunlun_common.api import agent_pb2, types_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
 
@@ -27,10 +28,6 @@ log = structlog.get_logger("nodes")
 # a change this large is written to etcd at once instead of waiting for the next snapshot
 _BIG_UTIL_CHANGE = 25.0
 _BIG_TEMP_CHANGE = 10.0
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kunlun_common.api import (
     rollout_pb2_grpc,
     workload_pb2_grpc,
 )
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
@@ -126,7 +127,7 @@ class Replica:
             name=self.settings.name,
             address=self.settings.advertise_address,
             pid=os.getpid(),
-            started_at_unix_ms=int(time.time() * 1000),
+            started_at_unix_ms=now_ms(),
             version=VERSION,
         )
         await self.store.put(keys.replica(self.settings.name), keys.encode_message(info), self._lease)

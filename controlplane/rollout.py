@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import structlog
 
@@ -38,25 +37,18 @@ from controlplane.election import Fence
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads.records import add_history
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import TemporaryError
+from kunlun_common.states import RolloutPhase, Verdict, WorkloadChange
 from kunlun_common.traffic import quantile_ms
 
 log = structlog.get_logger("rollout")
-PROGRESSING = "Progressing"
-COMPLETED = "Completed"
-ABORTED = "Aborted"
-DEGRADED = "Degraded"
-PASSED, FAILED, WAITING = "Passed", "Failed", "Waiting"
 DEFAULT_MAX_ERROR_RATE = 0.001
 DEFAULT_MAX_P95_INCREASE = 0.05
 DEFAULT_MIN_P95_DELTA_MS = 20.0
 DEFAULT_MIN_REQUESTS = 50
 DEFAULT_INTERVAL_S = 120
 CANARY = "canary"
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def steps_of(spec: rollout_pb2.RolloutSpec) -> list[int]:
@@ -76,13 +68,19 @@ def canary_spec(w: workload_pb2.Workload, r: rollout_pb2.Rollout) -> workload_pb
 
 def canary_count(w: workload_pb2.Workload, r: rollout_pb2.Rollout | None) -> int:
     """Canary instances for the weight: at least 1, at most the baseline's replicas; 0 when none."""
-    if r is None or r.phase != PROGRESSING or r.weight_pct <= 0 or w.spec.replicas <= 0 or w.deleting:
+    if (
+        r is None
+        or r.phase != RolloutPhase.PROGRESSING
+        or r.weight_pct <= 0
+        or w.spec.replicas <= 0
+        or w.deleting
+    ):
         return 0
     return min(w.spec.replicas, max(1, math.ceil(w.spec.replicas * r.weight_pct / 100)))
 
 
 def live_rollout(r: rollout_pb2.Rollout | None) -> bool:
-    return r is not None and r.phase == PROGRESSING and r.weight_pct > 0
+    return r is not None and r.phase == RolloutPhase.PROGRESSING and r.weight_pct > 0
 
 
 def _event(r: rollout_pb2.Rollout, phase: str, by: str, reason: str) -> None:
@@ -166,7 +164,7 @@ def analyse(
         a.p95_deviation = round((c.p95_ms - b.p95_ms) / b.p95_ms, 4)
     missing = max(0, min_req - c.requests) + (max(0, min_req - b.requests) if with_baseline else 0)
     if missing:
-        a.verdict = WAITING
+        a.verdict = Verdict.WAITING
         seen = f"canary {c.requests}" + (f", baseline {b.requests}" if with_baseline else "")
         a.reason = f"waiting for {missing} requests ({seen}; {min_req} each needed)"
         return a
@@ -182,7 +180,7 @@ def analyse(
             f"canary p95 {c.p95_ms:g} ms is {a.p95_deviation:+.1%} vs baseline {b.p95_ms:g} ms "
             f"(max +{max_inc:.1%}, differences under {floor:g} ms ignored)"
         )
-    a.verdict = FAILED if failed else PASSED
+    a.verdict = Verdict.FAILED if failed else Verdict.PASSED
     a.reason = "; ".join(failed) or (
         f"canary error rate {c.error_rate:.2%}, p95 {c.p95_ms:g} ms"
         + (f" (baseline {b.error_rate:.2%}, {b.p95_ms:g} ms)" if with_baseline else "")
@@ -205,13 +203,13 @@ def advance(
 ) -> rollout_pb2.Rollout | None:
     """The rollout's next state (pure), or None when nothing changes now. `stats`: every
     gateway's current counters, for the analysis at the end of a step."""
-    if r.phase != PROGRESSING:
+    if r.phase != RolloutPhase.PROGRESSING:
         return None
     new = rollout_pb2.Rollout()
     new.CopyFrom(r)
     if r.abort_requested:
         new.weight_pct = 0
-        _event(new, ABORTED, by, "aborted on request; canary removed, baseline untouched")
+        _event(new, RolloutPhase.ABORTED, by, "aborted on request; canary removed, baseline untouched")
         return new
     steps = steps_of(r.spec)
     interval_ms = (r.spec.interval_s or DEFAULT_INTERVAL_S) * 1000
@@ -225,16 +223,16 @@ def advance(
         return None
     a = step_analysis(r, stats or [], now)
     new.last_analysis.CopyFrom(a)
-    if a.verdict == FAILED:
+    if a.verdict == Verdict.FAILED:
         new.weight_pct = 0
         _event(
             new,
-            DEGRADED,
+            RolloutPhase.DEGRADED,
             by,
             f"analysis failed at step {r.step + 1}: {a.reason}; canary removed, baseline untouched",
         )
         return new
-    if a.verdict == WAITING:
+    if a.verdict == Verdict.WAITING:
         if not promoting:
             if r.reason == a.reason:
                 return None
@@ -249,13 +247,16 @@ def advance(
     new.step_start_stats.extend(stats or [])
     if r.step + 1 >= len(steps) or r.weight_pct >= 100:
         new.weight_pct = 0
-        _event(new, COMPLETED, by, f"{reason}; {r.spec.model} is the workload's model now")
+        _event(new, RolloutPhase.COMPLETED, by, f"{reason}; {r.spec.model} is the workload's model now")
         return new
     new.step = r.step + 1
     new.weight_pct = steps[new.step]
     new.step_started_at_unix_ms = now
     _event(
-        new, PROGRESSING, by, f"{reason}: step {new.step + 1}/{len(steps)}, canary weight {new.weight_pct}%"
+        new,
+        RolloutPhase.PROGRESSING,
+        by,
+        f"{reason}: step {new.step + 1}/{len(steps)}, canary weight {new.weight_pct}%",
     )
     return new
 
@@ -270,7 +271,7 @@ def completed_workload(w: workload_pb2.Workload, r: rollout_pb2.Rollout, by: str
     add_history(
         new,
         workload_pb2.PhaseEvent(
-            phase="Updated",
+            phase=WorkloadChange.UPDATED,
             at_unix_ms=now_ms(),
             by=by,
             reason=f"rollout completed: model {r.baseline_model} -> {r.spec.model}; generation {new.generation}",
@@ -306,13 +307,13 @@ class RolloutLoop:
         cache = GraphCache(self.store)
         await cache.start()
         try:
+            wake, seen = cache.topic((keys.ROLLOUTS, keys.GATEWAY_STATS, keys.WORKLOADS)), -1
             while not fence.lost.is_set():
                 try:
                     async with asyncio.timeout(1.0):
-                        await cache.changed.wait()
+                        seen = await wake.wait(seen)  # rollout-relevant changes only
                 except TimeoutError:
                     pass
-                cache.changed.clear()
                 await self.tick(fence, cache)
         finally:
             await cache.stop()
@@ -327,7 +328,7 @@ class RolloutLoop:
                 continue
             compares = [Compare.unchanged(kv.key, kv.mod_revision)]
             ops = [PutOp(kv.key, keys.encode_message(new))]
-            if new.phase == COMPLETED:
+            if new.phase == RolloutPhase.COMPLETED:
                 wkv = cache.get(keys.workload(r.workload_id))
                 if wkv is None:
                     continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +25,11 @@ class EtcdMember:
     peer_port: int
     data_dir: Path
     proc: ManagedProcess
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"https://127.0.0.1:{self.client_port}"
+        return f"https://{self.host}:{self.client_port}"
 
 
 @dataclass
@@ -75,14 +77,22 @@ def build_etcd_cluster(
     compaction_retention: str = "1h",
     heartbeat_ms: int = 100,
     election_ms: int = 1000,
+    hosts: list[str] | None = None,
+    wrap: Callable[[str, list[str]], list[str]] | None = None,
 ) -> EtcdCluster:
-    """Describe (not start) a TLS etcd cluster; ports are picked free unless given."""
+    """Describe (not start) a TLS etcd cluster; ports are picked free unless given.
+
+    `hosts`: each member's address (default 127.0.0.1 for all); `wrap(name, argv)` returns the
+    command line that runs a member's argv where it should run (the chaos suite: in its namespace).
+    `compaction_retention="0"` turns auto-compaction off (the chaos suite reads the whole history).
+    """
     binary = etcd_binary()
     ports = ports or [(free_port(), free_port()) for _ in names]
-    initial = ",".join(f"{n}=https://127.0.0.1:{pp}" for n, (_, pp) in zip(names, ports, strict=True))
+    hosts = hosts or ["127.0.0.1"] * len(names)
+    initial = ",".join(f"{n}=https://{h}:{pp}" for n, h, (_, pp) in zip(names, hosts, ports, strict=True))
     cluster = EtcdCluster()
     ca = cert_dir / "ca.crt"
-    for name, (cp, pp) in zip(names, ports, strict=True):
+    for name, host, (cp, pp) in zip(names, hosts, ports, strict=True):
         certs = paths_for(cert_dir, "etcd", name)
         data_dir = base_dir / name / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -90,10 +100,10 @@ def build_etcd_cluster(
             binary,
             f"--name={name}",
             f"--data-dir={data_dir}",
-            f"--listen-client-urls=https://127.0.0.1:{cp}",
-            f"--advertise-client-urls=https://127.0.0.1:{cp}",
-            f"--listen-peer-urls=https://127.0.0.1:{pp}",
-            f"--initial-advertise-peer-urls=https://127.0.0.1:{pp}",
+            f"--listen-client-urls=https://{host}:{cp}",
+            f"--advertise-client-urls=https://{host}:{cp}",
+            f"--listen-peer-urls=https://{host}:{pp}",
+            f"--initial-advertise-peer-urls=https://{host}:{pp}",
             f"--initial-cluster={initial}",
             "--initial-cluster-state=new",
             "--initial-cluster-token=kunlun-local",
@@ -114,6 +124,8 @@ def build_etcd_cluster(
             "--logger=zap",
             "--log-level=warn",
         ]
+        if wrap is not None:
+            argv = wrap(name, argv)
         proc = ManagedProcess(name, argv, base_dir / name / "etcd.log", env={"ETCD_UNSUPPORTED_ARCH": ""})
-        cluster.members.append(EtcdMember(name, cp, pp, data_dir, proc))
+        cluster.members.append(EtcdMember(name, cp, pp, data_dir, proc, host))
     return cluster

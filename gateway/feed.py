@@ -31,6 +31,7 @@ from gateway.backends import Registry
 from gateway.settings import GatewaySettings
 from kunlun_common import tls
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2, workload_pb2_grpc
+from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("gateway.feed")
@@ -62,7 +63,7 @@ class ControlPlaneFeed:
             name=settings.name,
             address=settings.advertise_address,
             pid=os.getpid(),
-            started_at_unix_ms=int(time.time() * 1000),
+            started_at_unix_ms=now_ms(),
             version=version,
         )
         self.connected_to = ""

@@ -12,7 +12,7 @@ from pathlib import Path
 import structlog
 
 from kunlun_common import tls
-from kunlun_common.api import agent_pb2
+from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
@@ -173,7 +173,7 @@ class Agent:
     def explain_no_devices(self) -> str | None:
         """If no declared device is usable, say exactly why (tools, devices, config file)."""
         devs = self.devices.devices()
-        if any(d.status == 1 for d in devs):
+        if any(d.status == types_pb2.DEVICE_STATUS_READY for d in devs):
             return None
         lines = [
             f"no usable device on node {self.config.node_name} (config {os.path.abspath(self.config.path)}):"

@@ -22,6 +22,7 @@ import structlog
 
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("link")
@@ -125,9 +126,7 @@ class ReplicaLink:
             while True:
                 if time.monotonic() >= next_hb:
                     self._seq += 1
-                    hb = agent_pb2.Heartbeat(
-                        seq=self._seq, sent_at_unix_ms=int(time.time() * 1000), samples=self.samples()
-                    )
+                    hb = agent_pb2.Heartbeat(seq=self._seq, sent_at_unix_ms=now_ms(), samples=self.samples())
                     await asyncio.wait_for(
                         call.write(agent_pb2.AgentMessage(heartbeat=hb)), self.ack_timeout_s
                     )

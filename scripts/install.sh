@@ -32,6 +32,14 @@ if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
   apt_install etcd-server
 fi
 
+# the chaos suite's hosts are network namespaces joined by veth pairs, its network faults nftables rules
+if ! command -v ip >/dev/null 2>&1 && [ ! -x /usr/sbin/ip ] && [ ! -x /sbin/ip ]; then
+  apt_install iproute2
+fi
+if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
+  apt_install nftables
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "creating .venv with $PY ..."
   "$PY" -m venv .venv

@@ -52,9 +52,6 @@ def targets(cluster: LocalCluster, name: str) -> list[str]:
     return sorted(d for i in get(cluster, name).instances for d in i.target_devices)
 
 
-PLACED = ("Scheduled", "Starting", "Running")
-
-
 def placed(cluster: LocalCluster, name: str, n: int = 1) -> bool:
     """n instances hold devices (whatever their engines are doing on the node)."""
     s = get(cluster, name)

@@ -300,3 +300,14 @@ def test_history_round_trips_through_jsonl(tmp_path: Path) -> None:
     back = RunHistory.read(tmp_path / "h.jsonl")
     assert back.api == h.api and back.serve == h.serve and back.faults == h.faults
     assert back.samples == h.samples and back.last_heal == 9
+
+
+def test_fault_schedule_is_reproducible_from_its_seed_and_covers_every_kind() -> None:
+    import random
+
+    from chaos.faults import KINDS, schedule
+
+    a = schedule(random.Random(5), 20)
+    assert a == schedule(random.Random(5), 20)
+    assert a != schedule(random.Random(6), 20)
+    assert len(a) == 20 and set(a[: len(KINDS)]) == set(KINDS)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from controlplane import keys
 from controlplane.api.rollout_service import spec_problems
-from controlplane.rollout import ABORTED, COMPLETED, PROGRESSING, advance, canary_count, completed_workload
+from controlplane.rollout import advance, canary_count, completed_workload
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.scheduler.snapshot import decode_state
 from controlplane.store import KV, PutOp
 from gateway.backends import Registry
 from gateway.settings import GatewaySettings
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
+from kunlun_common.states import RolloutPhase
 
 
 def workload(replicas: int = 4) -> workload_pb2.Workload:
@@ -30,7 +31,7 @@ def rollout(steps: tuple[int, ...] = (), pct: int = 10, interval_s: int = 60) ->
         workload="chat",
         spec=spec,
         baseline_model="m-old",
-        phase=PROGRESSING,
+        phase=RolloutPhase.PROGRESSING,
         weight_pct=first,
     )
 
@@ -40,11 +41,11 @@ def test_steps_follow_the_interval_then_complete() -> None:
     r.spec.min_requests = 0  # no traffic needed: the analysis passes on no requests
     assert advance(r, 59_000, "t") is None
     r2 = advance(r, 60_000, "t")
-    assert r2 is not None and (r2.phase, r2.step, r2.weight_pct) == (PROGRESSING, 1, 50)
+    assert r2 is not None and (r2.phase, r2.step, r2.weight_pct) == (RolloutPhase.PROGRESSING, 1, 50)
     r3 = advance(r2, 120_000, "t")
     assert r3 is not None and r3.weight_pct == 100
     r4 = advance(r3, 180_000, "t")
-    assert r4 is not None and r4.phase == COMPLETED and r4.weight_pct == 0
+    assert r4 is not None and r4.phase == RolloutPhase.COMPLETED and r4.weight_pct == 0
     assert advance(r4, 999_999, "t") is None
 
 
@@ -57,7 +58,7 @@ def test_without_steps_only_promote_moves_on_and_abort_stops() -> None:
     assert advance(r2, 0, "t") is None
     r2.abort_requested = True
     r3 = advance(r2, 0, "t")
-    assert r3 is not None and r3.phase == ABORTED and r3.weight_pct == 0
+    assert r3 is not None and r3.phase == RolloutPhase.ABORTED and r3.weight_pct == 0
 
 
 def test_completion_makes_the_canary_model_the_baseline_with_history() -> None:
@@ -73,7 +74,7 @@ def test_canary_count_follows_the_weight() -> None:
     assert canary_count(w, rollout(pct=60)) == 3
     assert canary_count(w, rollout(pct=100)) == 4
     r = rollout(pct=10)
-    r.phase = ABORTED
+    r.phase = RolloutPhase.ABORTED
     assert canary_count(w, r) == 0
 
 
@@ -109,7 +110,7 @@ def test_scheduler_creates_and_removes_canary_instances() -> None:
         c = workload_pb2.Instance(id=f"w-1-c{o}", workload_id="w-1", ordinal=o, variant="canary")
         kvs[keys.instance(c.id)] = _kv(keys.instance(c.id), keys.encode_message(c), 12 + o)
     assert loop.lifecycle_units(decode_state(kvs, 13)) == []
-    r.abort_requested, r.phase, r.weight_pct = True, ABORTED, 0
+    r.abort_requested, r.phase, r.weight_pct = True, RolloutPhase.ABORTED, 0
     kvs[keys.rollout("w-1")] = _kv(keys.rollout("w-1"), keys.encode_message(r), 14)
     units = loop.lifecycle_units(decode_state(kvs, 14))
     assert sorted(u.what for u in units) == ["remove w-1-c0", "remove w-1-c1"]  # baseline untouched

@@ -107,12 +107,23 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
     async def _push_assignments(
         self, session: NodeSession, out: asyncio.Queue[agent_pb2.ReplicaMessage | None]
     ) -> None:
+        """Send the node's assignment set at start and whenever it changed.
+
+        Woken only by changes that can affect this node (its topic in the feeds' index): a
+        telemetry write or another node's placement costs this stream nothing."""
+        index = self.feeds.index
+        topic = index.subscribe(session.node)
+        work = self.feeds.cache.work
         last: list[agent_pb2.Assignment] | None = None
-        seen = -1
-        while True:
-            if self.feeds.cache.ready.is_set():
+        try:
+            await self.feeds.cache.ready.wait()
+            while True:
+                seen = topic.version
                 current = self.feeds.assignments_for(session.node)
                 if last is None or list(current.items) != last:
                     last = list(current.items)
+                    work.sends += 1
                     out.put_nowait(agent_pb2.ReplicaMessage(assignments=current))
-            seen = await self.feeds.cache.wait_version(seen if seen >= 0 else self.feeds.cache.version)
+                await topic.wait(seen)
+        finally:
+            index.unsubscribe(session.node)

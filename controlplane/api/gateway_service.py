@@ -44,7 +44,9 @@ from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from controlplane.workloads.spec import NAME_RE
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.states import InstancePhase
 from kunlun_common.traffic import ROUTING_POLICIES as POLICIES
 from kunlun_common.traffic import key_hash
 
@@ -102,9 +104,9 @@ def route_states(
     out = []
     for w in workloads:
         insts = by_wl.get(w.id, [])
-        ready = sum(1 for i in insts if i.phase == "Running" and i.endpoint)
+        ready = sum(1 for i in insts if i.phase == InstancePhase.RUNNING and i.endpoint)
         counts = collections.Counter(
-            (i.phase, i.reason) for i in insts if not (i.phase == "Running" and i.endpoint)
+            (i.phase, i.reason) for i in insts if not (i.phase == InstancePhase.RUNNING and i.endpoint)
         )
         parts = [f"{n} {phase}" + (f" ({reason})" if reason else "") for (phase, reason), n in counts.items()]
         if w.deleting:
@@ -160,7 +162,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                     "hash": key_hash(secret),
                     "prefix": secret[:12],
                     "created_by": str(who),
-                    "created_at_ms": records.now_ms(),
+                    "created_at_ms": now_ms(),
                     "revoked_by": "",
                     "revoked_at_ms": 0,
                 }
@@ -216,7 +218,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             )
         key, rec = found[0]
         if not rec.get("revoked_at_ms"):
-            rec = {**rec, "revoked_by": str(who), "revoked_at_ms": records.now_ms()}
+            rec = {**rec, "revoked_by": str(who), "revoked_at_ms": now_ms()}
             rec.pop("schema", None)
             try:
                 await self.store.put(key, keys.encode(rec))
@@ -263,7 +265,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 "balance_factor": p.balance_factor,
                 "prefix_chars": p.prefix_chars,
                 "by": str(who),
-                "at_ms": records.now_ms(),
+                "at_ms": now_ms(),
             }
             await self.store.put(GATEWAY_POLICIES + p.workload, keys.encode(rec))
         except Exception as e:
@@ -338,7 +340,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
             and (last[0] == body or now - last[1] < STATS_MIN_INTERVAL_S)
         ):
             return
-        stats.at_unix_ms = records.now_ms()
+        stats.at_unix_ms = now_ms()
         await self.store.put(keys.gateway_stats(name), keys.encode_message(stats), lease)
         self._stats_written[name] = (body, now, lease)
 
@@ -393,7 +395,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
         """Push the whole config on every change (no polling)."""
         await authorize(context, SVC + "WatchGatewayConfig")
         last: bytes | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             cfg = self.config()
             rev = cfg.revision
@@ -403,4 +405,4 @@ class GatewayService(gateway_pb2_grpc.GatewayServiceServicer):
                 last = body
                 cfg.revision = rev
                 yield cfg
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)

@@ -12,11 +12,13 @@ import grpc
 
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
-from controlplane.rollout import PROGRESSING, gateway_stats, now_ms, steps_of
+from controlplane.rollout import gateway_stats, steps_of
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads import records
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc, workload_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.states import RolloutPhase
 
 SVC = "/kunlun.v1.RolloutService/"
 
@@ -87,7 +89,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         if old is not None:
             prev = rollout_pb2.Rollout()
             keys.decode_message(old.value, prev)
-            if prev.phase == PROGRESSING:
+            if prev.phase == RolloutPhase.PROGRESSING:
                 await abort(
                     context,
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -103,14 +105,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
             workload=w.spec.name,
             spec=spec,
             baseline_model=w.spec.model,
-            phase=PROGRESSING,
+            phase=RolloutPhase.PROGRESSING,
             step=0,
             weight_pct=steps_of(spec)[0],
             step_started_at_unix_ms=at,
             created_by=str(who),
             created_at_unix_ms=at,
             history=[
-                workload_pb2.PhaseEvent(phase=PROGRESSING, at_unix_ms=at, by=str(who), reason="created")
+                workload_pb2.PhaseEvent(
+                    phase=RolloutPhase.PROGRESSING, at_unix_ms=at, by=str(who), reason="created"
+                )
             ],
             step_start_stats=gateway_stats(stats_kvs),
         )
@@ -129,7 +133,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServiceServicer):
         await authorize(context, SVC + method)
         for _ in range(5):
             _, r, kv = await self._get(context, name)
-            if r.phase != PROGRESSING:
+            if r.phase != RolloutPhase.PROGRESSING:
                 await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"the rollout is {r.phase}")
             if promote:
                 r.promotions_requested += 1

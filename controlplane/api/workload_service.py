@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,7 +16,9 @@ from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import TlsMaterial, channel_credentials
 
 SVC = "/kunlun.v1.WorkloadService/"
@@ -109,7 +110,7 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
             )
         try:
             w = await records.update(
-                self.store, request.name, f"Scaled to {request.replicas}", str(who), replicas=request.replicas
+                self.store, request.name, scaled_to(request.replicas), str(who), replicas=request.replicas
             )
         except Exception as e:
             await self._fail(context, e)
@@ -121,7 +122,7 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.DeleteWorkloadResponse:
         who = await authorize(context, SVC + "DeleteWorkload")
         try:
-            w = await records.update(self.store, request.name, "Deleting", str(who), delete=True)
+            w = await records.update(self.store, request.name, WorkloadChange.DELETING, str(who), delete=True)
         except Exception as e:
             await self._fail(context, e)
             raise
@@ -145,7 +146,7 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
                     "cordoned": cordoned,
                     "drain": request.drain,
                     "by": str(who),
-                    "at_ms": int(time.time() * 1000),
+                    "at_ms": now_ms(),
                 }
             ),
         )
@@ -172,7 +173,7 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
         text = to_yaml(cfg)
         await self.store.put(
             keys.SCHEDULER_CONFIG,
-            keys.encode({"yaml": text, "by": str(who), "at_ms": int(time.time() * 1000)}),
+            keys.encode({"yaml": text, "by": str(who), "at_ms": now_ms()}),
         )
         return workload_pb2.SchedulerConfigText(yaml=text)
 
@@ -182,13 +183,13 @@ class WorkloadService(workload_pb2_grpc.WorkloadServiceServicer):
         """Push the routable endpoints on every change (full snapshot; no polling)."""
         await authorize(context, SVC + "WatchEndpoints")
         last: list[workload_pb2.Endpoint] | None = None
-        seen = self.feeds.cache.version
+        seen = self.feeds.routing.version
         while True:
             snap = self.feeds.endpoints()
             if last is None or list(snap.endpoints) != last:
                 last = list(snap.endpoints)
                 yield snap
-            seen = await self.feeds.cache.wait_version(seen)
+            seen = await self.feeds.routing.wait(seen)
 
     async def Logs(
         self, request: workload_pb2.WorkloadLogsRequest, context: Ctx

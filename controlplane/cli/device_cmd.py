@@ -6,8 +6,9 @@ import argparse
 from typing import Any
 
 from controlplane.cli.output import print_json, print_table
-from controlplane.cli.views import DEVICE_HEADERS, STATUS_NAMES, device_json, device_row, node_json
+from controlplane.cli.views import DEVICE_HEADERS, device_json, device_row, node_json
 from kunlun_common.api import cluster_pb2
+from kunlun_common.states import DeviceState
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -61,8 +62,9 @@ def device_describe(args: argparse.Namespace) -> int:
         if isinstance(v, list):
             v = ", ".join(str(x) for x in v) or "-"
         print(f"{k.replace('_', ' ').capitalize():<{width}}  {v}")
-    if resp.device.status != 1:
-        print(f"\n{STATUS_NAMES.get(resp.device.status, 'Unknown')}: {resp.device.status_reason}")
+    state = DeviceState.of(resp.device.status)
+    if state is not DeviceState.READY:
+        print(f"\n{state}: {resp.device.status_reason}")
     return 0
 
 

@@ -15,6 +15,7 @@ from controlplane.cli import (
     cluster_cmd,
     device_cmd,
     gateway_cmd,
+    model_cmd,
     node_engines_cmd,
     rollout_cmd,
     workload_cmd,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
+    model_cmd.register(sub, common)
     node_engines_cmd.register(sub, common)
     return p
 

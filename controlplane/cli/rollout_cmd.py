@@ -10,6 +10,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc
+from kunlun_common.states import RolloutPhase
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -189,7 +190,7 @@ def status(args: argparse.Namespace) -> int:
         print_json(d)
         return 0
     print(f"Workload:  {d['workload']}\nPhase:     {d['phase']}  {d['reason']}")
-    if d["phase"] == "Completed":
+    if d["phase"] == RolloutPhase.COMPLETED:
         print(
             f"Weights:   {d['canary_model']} 100% (the workload's model now; {d['baseline_model']} is gone)"
         )

@@ -7,14 +7,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from kunlun_common.api import cluster_pb2, types_pb2
-
-STATUS_NAMES = {
-    types_pb2.DEVICE_STATUS_UNSPECIFIED: "Unknown",
-    types_pb2.DEVICE_STATUS_READY: "Ready",
-    types_pb2.DEVICE_STATUS_UNHEALTHY: "Unhealthy",
-    types_pb2.DEVICE_STATUS_UNAVAILABLE: "Unavailable",
-    types_pb2.DEVICE_STATUS_ERROR: "Error",
-}
+from kunlun_common.states import DeviceState, NodeState
 
 
 def device_json(d: types_pb2.Device) -> dict[str, Any]:
@@ -25,7 +18,7 @@ def device_json(d: types_pb2.Device) -> dict[str, Any]:
         "device_type": d.device_type,
         "index": d.index,
         "model": d.model,
-        "status": STATUS_NAMES.get(d.status, "Unknown"),
+        "status": DeviceState.of(d.status),
         "status_reason": d.status_reason,
         "total_memory_mb": d.total_memory_mb,
         "hbm_memory_mb": d.hbm_memory_mb,
@@ -49,7 +42,7 @@ def device_json(d: types_pb2.Device) -> dict[str, Any]:
 
 def device_row(d: types_pb2.Device) -> list[str]:
     t = d.telemetry
-    status = STATUS_NAMES.get(d.status, "Unknown")
+    status = DeviceState.of(d.status)
     online = d.status in (types_pb2.DEVICE_STATUS_READY, types_pb2.DEVICE_STATUS_UNHEALTHY)
     memory = f"{t.memory_used_mb}/{d.hbm_memory_mb} MB" if online else f"-/{d.hbm_memory_mb} MB"
     topo = ",".join(str(x) for x in d.topology_distance) or "-"
@@ -75,7 +68,7 @@ def node_json(n: types_pb2.Node) -> dict[str, Any]:
         "name": n.name,
         "address": n.address,
         "ready": n.ready,
-        "status": "Ready" if n.ready else "NotReady",
+        "status": NodeState.READY if n.ready else NodeState.NOT_READY,
         "simulated": n.simulated,
         "cordoned": n.cordoned,
         "devices": len(n.devices),

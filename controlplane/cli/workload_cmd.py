@@ -12,6 +12,7 @@ from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
+from kunlun_common.states import InstancePhase
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -326,7 +327,7 @@ def node_op(args: argparse.Namespace) -> int:
                 (s.workload.spec.name, i)
                 for s in summaries
                 for i in s.instances
-                if i.node == args.node and i.phase != "Pending"
+                if i.node == args.node and i.phase != InstancePhase.PENDING
             ]
             stuck = [{"workload": n, "instance": i.id, "reason": i.reason} for n, i in left]
             blocked = bool(left) and all(i.reason.startswith("DrainBlocked") for _, i in left)

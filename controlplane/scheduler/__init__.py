@@ -22,7 +22,6 @@ from controlplane.scheduler.filters import (
     unsupported_dtype,
 )
 from controlplane.scheduler.model import (
-    DEVICE_STATUSES,
     PRIORITIES,
     DeviceView,
     GraphSnapshot,
@@ -40,7 +39,6 @@ from controlplane.scheduler.queue import order_pending
 __all__ = [
     "CARD_TYPE_MISMATCH",
     "DEVICE_NOT_READY",
-    "DEVICE_STATUSES",
     "NODE_CORDONED",
     "NODE_NOT_READY",
     "NO_FREE_DEVICE",

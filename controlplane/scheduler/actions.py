@@ -8,13 +8,14 @@ transaction is committed through the leader's Fence: atomically, or not at all.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from controlplane import keys
 from controlplane.store import KV, Compare, DeleteOp, Op, PutOp
 from controlplane.store.contract import MAX_TXN_OPS
 from kunlun_common.api import workload_pb2
+from kunlun_common.clock import now_ms
+from kunlun_common.states import InstancePhase
 
 
 @dataclass
@@ -24,10 +25,6 @@ class Unit:
     what: str
     compares: list[Compare] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def event(inst: workload_pb2.Instance, phase: str, by: str, reason: str = "") -> None:
@@ -77,7 +74,7 @@ def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, v
         generation=w.generation,
         variant=variant,
     )
-    event(inst, "Pending", by, "waiting for placement")
+    event(inst, InstancePhase.PENDING, by, "waiting for placement")
     key = keys.instance(inst.id)
     return Unit(f"create {inst.id}", [Compare.absent(key)], [PutOp(key, keys.encode_message(inst))])
 
@@ -115,7 +112,7 @@ def release_instance(
     del new.target_devices[:]
     new.endpoint = ""
     new.enqueued_at_unix_ms = now_ms()
-    event(new, "Pending", by, reason)
+    event(new, InstancePhase.PENDING, by, reason)
     return Unit(
         f"release {inst.id}: {reason}",
         [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
@@ -145,7 +142,7 @@ def place_instance(
     new.target_devices.extend(devices)
     new.unplaced_reasons.clear()
     new.generation = generation
-    event(new, "Scheduled", by, reason or f"placed on {', '.join(devices)}")
+    event(new, InstancePhase.SCHEDULED, by, reason or f"placed on {', '.join(devices)}")
     alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
     return Unit(
         f"place {inst.id} on {','.join(devices)}",

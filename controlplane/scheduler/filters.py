@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from controlplane.scheduler.model import DeviceView, NodeView, WorkloadReq
+from kunlun_common.states import DeviceState
 
 NO_FREE_DEVICE = "NoFreeDevice"
 CARD_TYPE_MISMATCH = "CardTypeMismatch"
@@ -201,7 +202,7 @@ def filter_memory(hbm_memory_mb: int, req: Requirement) -> str | None:
 
 def filter_status(status: str) -> str | None:
     """DeviceNotReady unless the status is Ready."""
-    return None if status == "Ready" else DEVICE_NOT_READY
+    return None if status == DeviceState.READY else DEVICE_NOT_READY
 
 
 def filter_temperature(temperature_c: float, limit_c: float) -> str | None:

@@ -25,6 +25,7 @@ from controlplane.scheduler.config import SchedulerConfig
 from controlplane.scheduler.filters import filter_node
 from controlplane.scheduler.model import DeviceView, GraphSnapshot, NodeView
 from controlplane.scheduler.scores import NODE_WEIGHT, device_score, is_busy, node_score, set_distance, tflops
+from kunlun_common.states import DeviceState
 
 Key = tuple[int, int, int, float, str, tuple[int, ...]]
 """(busy, type rank, topology distance, -score, node name, device positions): smaller is better."""
@@ -67,7 +68,9 @@ class Slot:
         self.pos = pos
         self.profile = profile
         self.schedulable = (
-            node_ok and device.status == "Ready" and device.temperature_c < config.temperature_limit_c
+            node_ok
+            and device.status == DeviceState.READY
+            and device.temperature_c < config.temperature_limit_c
         )
         self.busy = int(is_busy(device.utilization_pct, config.min_gpu_utilization_threshold))
         self.score = device_score(device.utilization_pct, device.temperature_c, config.temperature_limit_c)
@@ -158,7 +161,7 @@ class ClusterIndex:
                     schedulable.setdefault(profile.pid, {}).setdefault(idx, []).append(slot)
                     if not slot.allocated:
                         entry.free_count += 1
-                gkey = (profile.pid, dev.status == "Ready", dev.temperature_c >= limit)
+                gkey = (profile.pid, dev.status == DeviceState.READY, dev.temperature_c >= limit)
                 grouped.setdefault(gkey, []).append(slot)
             entry.groups = [
                 Group(self.profiles[pid], ready, hot, tuple(slots))

@@ -9,6 +9,7 @@ a new leader continues where the old one stopped. One log line per tick that dec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import structlog
@@ -28,15 +29,23 @@ from controlplane.scheduler.actions import (
 )
 from controlplane.scheduler.model import Placement
 from controlplane.scheduler.plan import schedule
-from controlplane.scheduler.snapshot import PLACED, ClusterState, decode_state, graph_snapshot, queue_inputs
+from controlplane.scheduler.snapshot import (
+    SCHEDULING,
+    ClusterState,
+    cache_state,
+    graph_snapshot,
+    queue_inputs,
+)
 from controlplane.store import KV, Compare, DeleteOp, EtcdStore, Op
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import TemporaryError
 from kunlun_common.names import DEVICE_TYPES
+from kunlun_common.states import PLACED, DeviceState
 
 log = structlog.get_logger("scheduler")
 COMMITS_IN_FLIGHT = 16
 MAX_REASON_NODES = 32
+DEBOUNCE_S = 0.02  # coalesce a burst of watch events into one tick
 MAX_NOTES_PER_TICK = 512  # explanations of unplaced instances written per tick (placements go first)
 
 
@@ -83,13 +92,13 @@ class SchedulerLoop:
         await cache.start()
         log.info("scheduler started", epoch=fence.epoch, revision=cache.revision, keys=len(cache.kvs))
         try:
+            wake, seen = cache.topic(SCHEDULING), -1  # scheduling-relevant changes only, not telemetry
             while not fence.lost.is_set():
-                try:
+                with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
-                        await cache.changed.wait()
-                except TimeoutError:
-                    pass
-                cache.changed.clear()
+                        seen = await wake.wait(seen)
+                        await asyncio.sleep(DEBOUNCE_S)  # let a burst of changes land: one tick for all
+                seen = wake.version
                 rev = await self.tick(fence, cache)
                 if rev and not await cache.wait_for_revision(rev):
                     log.warning("graph cache did not catch up with our commit", revision=rev)
@@ -163,7 +172,12 @@ class SchedulerLoop:
     def observe(self, st: ClusterState, mono: float) -> None:
         """Record, on this leader's monotonic clock, when it first saw each node without its liveness
         lease and each device Unhealthy (forgotten as soon as they are fine again)."""
-        unhealthy = {d.name for n in st.nodes.values() for d in n.devices if d.status == 2}
+        unhealthy = {
+            d.name
+            for n in st.nodes.values()
+            for d in n.devices
+            if DeviceState.of(d.status) is DeviceState.UNHEALTHY
+        }
         self.unhealthy_since = {d: self.unhealthy_since.get(d, mono) for d in unhealthy}
         placed_on = {i.node for i, _ in st.instances.values() if i.node}
         gone = {n for n in (set(st.nodes) | placed_on) if n not in st.alive}
@@ -290,7 +304,7 @@ class SchedulerLoop:
     async def tick(self, fence: Fence, cache: GraphCache) -> int:
         t0 = time.perf_counter()
         now = time.time()
-        st = decode_state(cache.kvs, cache.revision)
+        st = cache_state(cache)  # decoded incrementally, one changed record at a time
         self.observe(st, time.monotonic())  # every tick, so a grace never starts late
         if st.config_error:
             log.warning("stored scheduler config unreadable; using defaults", error=st.config_error)

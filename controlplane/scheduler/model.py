@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 
-DEVICE_STATUSES = ("Ready", "Unhealthy", "Unavailable", "Error")
-"""Values of `DeviceView.status`; only "Ready" devices receive new work."""
-
 PRIORITIES = ("high", "normal", "low")
 """Priority classes, most important first."""
 
@@ -57,7 +54,7 @@ class DeviceView:
     topology_distance: tuple[int, ...]
     """Distance from this device to each device of the node, in node order (0 to itself)."""
     status: str
-    """One of DEVICE_STATUSES."""
+    """A `kunlun_common.states.DeviceState` value; only READY devices receive new work."""
     utilization_pct: float
     """Current compute utilization, 0 to 100."""
     temperature_c: float

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from controlplane import keys
+from controlplane.cache import GraphCache
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config
 from controlplane.scheduler.model import (
     DeviceView,
@@ -19,14 +20,7 @@ from controlplane.scheduler.model import (
 )
 from controlplane.store import KV
 from kunlun_common.api import rollout_pb2, types_pb2, workload_pb2
-
-STATUS = {
-    types_pb2.DEVICE_STATUS_READY: "Ready",
-    types_pb2.DEVICE_STATUS_UNHEALTHY: "Unhealthy",
-    types_pb2.DEVICE_STATUS_UNAVAILABLE: "Unavailable",
-    types_pb2.DEVICE_STATUS_ERROR: "Error",
-}
-PLACED = ("Scheduled", "Starting", "Running")
+from kunlun_common.states import PLACED, DeviceState, InstancePhase
 
 
 @dataclass
@@ -47,41 +41,152 @@ class ClusterState:
     config_error: str = ""
 
 
-def decode_state(kvs: Mapping[str, KV], revision: int) -> ClusterState:
-    st = ClusterState(revision=revision)
-    for key, kv in kvs.items():
+SCHEDULING = (
+    keys.NODES,
+    keys.ALIVE,
+    keys.NODE_STATUS,
+    keys.CORDONS,
+    keys.WORKLOADS,
+    keys.INSTANCES,
+    keys.ALLOC,
+    keys.ROLLOUTS,
+    keys.SCHEDULER_CONFIG,
+)
+"""Changes that can change a decision: the leader's loop wakes on these. Telemetry is kept current
+(for scores) but does not wake it; the loop's periodic tick reads the latest."""
+
+
+class IncrementalState:
+    """The leader's decoded cluster state, kept current one changed key at a time.
+
+    A cache `Listener`: a change decodes only its own record (a telemetry write decodes nothing:
+    it is decoded, once, when the next tick reads it). `current()` hands each tick its own
+    shallow copies of the indexes, so a tick never sees a half-applied change. Decoded records are
+    shared between ticks: decisions copy a record before changing it (see `actions`).
+    """
+
+    def __init__(self, cache: GraphCache | None) -> None:
+        self.cache = cache
+        self.st = ClusterState(revision=0)
+        self._telemetry_raw: dict[str, KV] = {}
+        self._telemetry_dirty: set[str] = set()
+        if cache is not None:
+            cache.listen((*SCHEDULING, keys.TELEMETRY), self)
+
+    def reset(self, kvs: Mapping[str, KV]) -> None:
+        self.st = ClusterState(revision=0)
+        self._telemetry_raw.clear()
+        self._telemetry_dirty.clear()
+        for key, kv in kvs.items():
+            self.apply(key, kv)
+
+    def apply(self, key: str, kv: KV | None) -> None:
+        st = self.st
+        name = keys.last_segment(key)
+        work = self.cache.work if self.cache is not None else None
+        if key.startswith(keys.TELEMETRY):
+            if kv is None:
+                self._telemetry_raw.pop(name, None)
+            else:
+                self._telemetry_raw[name] = kv
+            self._telemetry_dirty.add(name)
+            return
+        if key.startswith(keys.ALIVE):
+            if kv is None:
+                st.alive.discard(name)
+            else:
+                st.alive.add(name)
+            return
+        if work is not None:
+            work.decodes += 1 if kv is not None else 0
         if key.startswith(keys.NODES):
-            n = types_pb2.Node()
-            keys.decode_message(kv.value, n)
-            st.nodes[n.name] = n
-        elif key.startswith(keys.ALIVE):
-            st.alive.add(keys.last_segment(key))
+            if kv is None:
+                st.nodes.pop(name, None)
+            else:
+                n = types_pb2.Node()
+                keys.decode_message(kv.value, n)
+                st.nodes[name] = n
         elif key.startswith(keys.NODE_STATUS):
-            st.node_status[keys.last_segment(key)] = keys.decode(kv.value)
+            _put(st.node_status, name, None if kv is None else keys.decode(kv.value))
         elif key.startswith(keys.CORDONS):
-            st.cordons[keys.last_segment(key)] = keys.decode(kv.value)
-        elif key.startswith(keys.TELEMETRY):
-            st.telemetry[keys.last_segment(key)] = keys.decode(kv.value)
+            _put(st.cordons, name, None if kv is None else keys.decode(kv.value))
         elif key.startswith(keys.WORKLOADS):
-            w = workload_pb2.Workload()
-            keys.decode_message(kv.value, w)
-            st.workloads[w.id] = (w, kv)
+            if kv is None:
+                st.workloads.pop(name, None)
+            else:
+                w = workload_pb2.Workload()
+                keys.decode_message(kv.value, w)
+                st.workloads[name] = (w, kv)
         elif key.startswith(keys.INSTANCES):
-            i = workload_pb2.Instance()
-            keys.decode_message(kv.value, i)
-            st.instances[i.id] = (i, kv)
+            if kv is None:
+                st.instances.pop(name, None)
+            else:
+                i = workload_pb2.Instance()
+                keys.decode_message(kv.value, i)
+                st.instances[name] = (i, kv)
         elif key.startswith(keys.ALLOC):
-            st.allocs[keys.alloc_device(key)] = (str(keys.decode(kv.value)["instance"]), kv)
+            dev = keys.alloc_device(key)
+            if kv is None:
+                st.allocs.pop(dev, None)
+            else:
+                st.allocs[dev] = (str(keys.decode(kv.value)["instance"]), kv)
         elif key.startswith(keys.ROLLOUTS):
-            r = rollout_pb2.Rollout()
-            keys.decode_message(kv.value, r)
-            st.rollouts[r.workload_id] = r
+            if kv is None:
+                st.rollouts.pop(name, None)
+            else:
+                r = rollout_pb2.Rollout()
+                keys.decode_message(kv.value, r)
+                st.rollouts[name] = r
         elif key == keys.SCHEDULER_CONFIG:
-            try:
-                st.config = parse_scheduler_config(str(keys.decode(kv.value)["yaml"]))
-            except Exception as e:  # stored config was validated by the API; never crash on it
-                st.config_error = str(e)
-    return st
+            st.config, st.config_error = SchedulerConfig(), ""
+            if kv is not None:
+                try:
+                    st.config = parse_scheduler_config(str(keys.decode(kv.value)["yaml"]))
+                except Exception as e:  # stored config was validated by the API; never crash on it
+                    st.config_error = str(e)
+
+    def current(self, revision: int | None = None) -> ClusterState:
+        """The state for one tick (the indexes copied; records shared, never modified)."""
+        st = self.st
+        for name in self._telemetry_dirty:
+            kv = self._telemetry_raw.get(name)
+            _put(st.telemetry, name, None if kv is None else keys.decode(kv.value))
+        self._telemetry_dirty.clear()
+        if revision is None:
+            revision = self.cache.revision if self.cache is not None else st.revision
+        return ClusterState(
+            revision=revision,
+            nodes=dict(st.nodes),
+            alive=set(st.alive),
+            node_status=dict(st.node_status),
+            cordons=dict(st.cordons),
+            telemetry=dict(st.telemetry),
+            workloads=dict(st.workloads),
+            instances=dict(st.instances),
+            allocs=dict(st.allocs),
+            rollouts=dict(st.rollouts),
+            config=st.config,
+            config_error=st.config_error,
+        )
+
+
+def _put(d: dict[str, dict[str, object]], name: str, value: dict[str, object] | None) -> None:
+    if value is None:
+        d.pop(name, None)
+    else:
+        d[name] = value
+
+
+def cache_state(cache: GraphCache) -> ClusterState:
+    """The decoded state of `cache` for one tick, kept incrementally between ticks."""
+    return cache.derived(IncrementalState).current()
+
+
+def decode_state(kvs: Mapping[str, KV], revision: int) -> ClusterState:
+    """Decode a whole key set at once (tests and tools; the leader uses `cache_state`)."""
+    inc = IncrementalState(None)
+    inc.reset(kvs)
+    return inc.current(revision)
 
 
 def workload_req(w: workload_pb2.Workload) -> WorkloadReq:
@@ -113,7 +218,9 @@ def graph_snapshot(st: ClusterState, exclude_nodes: frozenset[str] = frozenset()
             t = types_pb2.DeviceTelemetry()
             if isinstance(tele, dict) and d.name in tele:
                 json_format.ParseDict(tele[d.name], t, ignore_unknown_fields=True)
-            status = STATUS.get(d.status, "Error") if ready else "Unavailable"
+            status = DeviceState.of(d.status) if ready else DeviceState.UNAVAILABLE
+            if status is DeviceState.UNKNOWN:  # an unspecified status is a declaration error
+                status = DeviceState.ERROR
             holder = st.allocs.get(d.name)
             devices.append(
                 DeviceView(
@@ -148,7 +255,7 @@ def queue_inputs(st: ClusterState) -> tuple[list[PendingInstance], list[RunningI
         if wk is None or wk[0].deleting:
             continue
         req = workload_req(wk[0])
-        if inst.phase == "Pending":
+        if inst.phase == InstancePhase.PENDING:
             pending.append(PendingInstance(inst.id, req, inst.enqueued_at_unix_ms / 1000, int(inst.seq)))
         elif inst.phase in PLACED and inst.target_devices:
             started = inst.history[-1].at_unix_ms / 1000 if inst.history else 0.0

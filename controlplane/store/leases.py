@@ -1,14 +1,21 @@
 """The lease keep-alive stream: one LeaseKeepAlive stream shared by every lease of a process.
 
-TIME-CRITICAL: each refresh is bounded by the request timeout; a silent stream (a paused member) is
-dropped so that the next refresh opens a new one (round-robin picks another member). etcd answers
-keep-alives in order on the stream, so one FIFO of waiters per lease id is enough.
+TIME-CRITICAL: each refresh is bounded by the request timeout. etcd answers keep-alives in order on
+a stream, so one FIFO of waiters per lease id (per stream) is enough.
+
+Isolation: a refresh that times out fails alone. It leaves the refreshes in flight with it to
+their own answers or deadlines; if the stream has not answered anything since that refresh was
+written (a paused member), the stream is retired: new refreshes open a new one (round-robin picks
+another member) while the old one drains. A stream that breaks (error, end of stream) hands each
+of its unanswered refreshes back to its caller, which re-sends it on a new stream within its own
+deadline: only what was lost is sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from typing import Any
 
@@ -21,77 +28,156 @@ _METADATA = (("hasleader", "true"),)
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # (grpc-stubs lags grpcio)
 
 
+class _StreamLost(Exception):
+    """The stream a refresh was written on broke before answering it (re-send on a new stream)."""
+
+
+class _Stream:
+    """One LeaseKeepAlive call, its reader and its waiters."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.waiting: dict[int, collections.deque[asyncio.Future[int]]] = collections.defaultdict(
+            collections.deque
+        )
+        self.answered_at = 0.0
+        self.retired = False
+        self.reader: asyncio.Task[None] | None = None
+
+    def in_flight(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def forget(self, lease_id: int, fut: asyncio.Future[int]) -> None:
+        q = self.waiting.get(lease_id)
+        if q is not None:
+            with contextlib.suppress(ValueError):
+                q.remove(fut)
+            if not q:
+                del self.waiting[lease_id]
+
+    def fail_all(self, err: Exception) -> None:
+        for q in self.waiting.values():
+            while q:
+                fut = q.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
+        self.waiting.clear()
+
+    def close(self) -> None:
+        self.retired = True
+        self.call.cancel()
+        if self.reader is not None and self.reader is not asyncio.current_task():
+            self.reader.cancel()
+
+
 class LeaseKeeper:
     """One LeaseKeepAlive stream shared by every lease of the process (responses come in order)."""
 
     def __init__(self, stub: Any, timeout_s: float) -> None:
         self._stub = stub
         self._timeout = timeout_s
-        self._call: Any = None
-        self._reader: asyncio.Task[None] | None = None
-        self._waiting: dict[int, collections.deque[asyncio.Future[int]]] = collections.defaultdict(
-            collections.deque
-        )
+        self._stream: _Stream | None = None
+        self._draining: set[_Stream] = set()
         self._lock = asyncio.Lock()
+        self.timeouts = 0
+        """Refreshes that timed out (each failed alone)."""
+        self.resent = 0
+        """Refreshes re-sent on a new stream after theirs broke."""
 
-    async def _ensure(self) -> Any:
-        if self._call is None:
-            self._call = self._stub.LeaseKeepAlive(metadata=_METADATA)
-            self._reader = asyncio.create_task(self._read(self._call), name="lease-keepalive-reader")
-        return self._call
+    def _ensure(self) -> _Stream:
+        if self._stream is None:
+            s = _Stream(self._stub.LeaseKeepAlive(metadata=_METADATA))
+            s.reader = asyncio.create_task(self._read(s), name="lease-keepalive-reader")
+            self._stream = s
+        return self._stream
 
-    async def _read(self, call: Any) -> None:
+    async def _read(self, s: _Stream) -> None:
         try:
             while True:
-                resp = await call.read()
+                resp = await s.call.read()
                 if resp is _EOF:
                     raise TemporaryError("lease keep-alive stream closed")
-                q = self._waiting.get(int(resp.ID))
+                s.answered_at = time.monotonic()
+                q = s.waiting.get(int(resp.ID))
                 if q:
                     fut = q.popleft()
+                    if not q:
+                        del s.waiting[int(resp.ID)]
                     if not fut.done():
                         fut.set_result(int(resp.TTL))
+                if s.retired and not s.waiting:
+                    self._drop(s)
+                    return
         except asyncio.CancelledError:
             raise
         except (grpc.aio.AioRpcError, TemporaryError) as e:
-            self._reset(call, TemporaryError(f"lease keep-alive stream failed: {e}"))
+            self._broken(s, e)
 
-    def _reset(self, call: Any, err: Exception) -> None:
-        if self._call is not call:
-            return
-        self._call = None
-        call.cancel()
-        for q in self._waiting.values():
-            while q:
-                fut = q.popleft()
-                if not fut.done():
-                    fut.set_exception(err)
+    def _retire(self, s: _Stream) -> None:
+        """New refreshes go to a new stream; this one lives until its waiters are done."""
+        if self._stream is s:
+            self._stream = None
+        s.retired = True
+        if s.in_flight():
+            self._draining.add(s)
+        else:
+            self._drop(s)
 
-    async def refresh(self, lease_id: int) -> int:
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        start = time.monotonic()
-        async with self._lock:
-            call = await self._ensure()
-            self._waiting[lease_id].append(fut)
+    def _drop(self, s: _Stream) -> None:
+        self._draining.discard(s)
+        if self._stream is s:
+            self._stream = None
+        s.close()
+
+    def _broken(self, s: _Stream, e: BaseException) -> None:
+        s.fail_all(_StreamLost(str(e)))
+        self._drop(s)
+
+    async def refresh(self, lease_id: int, timeout_s: float | None = None) -> int:
+        """Refresh one lease; its TTL (0: the lease is gone). TemporaryError after the deadline."""
+        timeout = self._timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        last = ""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.timeouts += 1
+                raise TemporaryError(
+                    f"etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s"
+                    + (f" ({last})" if last else "")
+                )
+            fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            async with self._lock:
+                s = self._ensure()
+                s.waiting[lease_id].append(fut)
+                written_at = time.monotonic()
+                try:
+                    async with asyncio.timeout(left):
+                        await s.call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as e:
+                    self._broken(s, TemporaryError(f"lease keep-alive write failed: {e}"))
             try:
-                async with asyncio.timeout(self._timeout):
-                    await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-            except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as e:
-                self._reset(call, TemporaryError(f"lease keep-alive write failed: {e}"))
-        try:
-            left = max(0.01, self._timeout - (time.monotonic() - start))
-            async with asyncio.timeout(left):
-                return await fut
-        except TimeoutError:
-            # a silent stream (paused member): start over on a new stream next time
-            self._reset(call, TemporaryError("lease keep-alive timed out"))
-            raise TemporaryError(
-                f"etcd did not answer the keep-alive of lease {lease_id:x} within {self._timeout}s"
-            ) from None
+                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                    return await fut
+            except _StreamLost as e:
+                self.resent += 1
+                last = str(e)
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                continue
+            except TimeoutError:
+                s.forget(lease_id, fut)
+                if s.answered_at < written_at:
+                    self._retire(s)  # silent since we wrote: a paused member; others drain
+                elif s.retired and not s.in_flight():
+                    self._drop(s)
+                self.timeouts += 1
+                raise TemporaryError(
+                    f"etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s"
+                ) from None
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._call is not None:
-            self._call.cancel()
-        self._call = None
+        for s in [*self._draining, *([self._stream] if self._stream else [])]:
+            s.fail_all(TemporaryError("lease keep-alive closed"))
+            s.close()
+        self._draining.clear()
+        self._stream = None

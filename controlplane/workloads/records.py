@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from controlplane import keys
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads.spec import spec_json
 from kunlun_common.api import workload_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import PermanentError, TemporaryError
-
-PLACED = ("Scheduled", "Starting", "Running")
+from kunlun_common.states import PLACED, InstancePhase, WorkloadChange, WorkloadPhase
 
 
 class NotFound(PermanentError):
@@ -47,10 +46,6 @@ def encode_checked(w: workload_pb2.Workload) -> bytes:
             "limit; shorten the spec (env, engine_args) and submit again"
         )
     return data
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def decode_workload(kv: KV) -> workload_pb2.Workload:
@@ -92,7 +87,9 @@ async def submit(
                 created_at_unix_ms=now_ms(),
                 created_by=who,
                 updated_by=who,
-                history=[workload_pb2.PhaseEvent(phase="Submitted", at_unix_ms=now_ms(), by=who)],
+                history=[
+                    workload_pb2.PhaseEvent(phase=WorkloadChange.SUBMITTED, at_unix_ms=now_ms(), by=who)
+                ],
             )
             res = await store.txn(
                 [Compare.absent(keys.workload_name(spec.name))],
@@ -115,7 +112,7 @@ async def submit(
         add_history(
             w,
             workload_pb2.PhaseEvent(
-                phase="Updated", at_unix_ms=now_ms(), by=who, reason=f"generation {w.generation}"
+                phase=WorkloadChange.UPDATED, at_unix_ms=now_ms(), by=who, reason=f"generation {w.generation}"
             ),
         )
         res = await store.txn(
@@ -156,21 +153,22 @@ async def update(
     raise Conflict(f"workload {name_or_id!r} changed concurrently; retry")
 
 
-def workload_phase(w: workload_pb2.Workload, instances: list[workload_pb2.Instance]) -> str:
+def workload_phase(w: workload_pb2.Workload, instances: list[workload_pb2.Instance]) -> WorkloadPhase:
     if w.deleting:
-        return "Deleting"
+        return WorkloadPhase.DELETING
     if w.spec.replicas == 0:
-        return "Stopped"
-    live = [i for i in instances if i.phase != "Stopped"]
+        return WorkloadPhase.STOPPED
+    live = [i for i in instances if i.phase != InstancePhase.STOPPED]
     if len(live) < w.spec.replicas:
         placed = [i for i in live if i.phase in PLACED]
-        return "Pending" if not placed else "Degraded"
-    if all(i.phase == "Running" for i in live):
-        return "Running"
+        return WorkloadPhase.PENDING if not placed else WorkloadPhase.DEGRADED
+    if all(i.phase == InstancePhase.RUNNING for i in live):
+        return WorkloadPhase.RUNNING
     if all(i.phase in PLACED for i in live):
-        return "Scheduled"
-    if any(i.phase == "Failed" for i in live):
-        return "Failed" if all(i.phase == "Failed" for i in live) else "Degraded"
+        return WorkloadPhase.SCHEDULED
+    if any(i.phase == InstancePhase.FAILED for i in live):
+        failed = all(i.phase == InstancePhase.FAILED for i in live)
+        return WorkloadPhase.FAILED if failed else WorkloadPhase.DEGRADED
     if not any(i.phase in PLACED for i in live):
-        return "Pending"
-    return "Degraded"
+        return WorkloadPhase.PENDING
+    return WorkloadPhase.DEGRADED

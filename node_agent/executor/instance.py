@@ -40,7 +40,9 @@ import structlog
 from google.protobuf import json_format
 
 from kunlun_common.api import agent_pb2
+from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from kunlun_common.states import ExitCause, InstancePhase
 from node_agent.executor import devlock
 from node_agent.executor.prepare import NodeContext, PrepareError, prepare
 from node_agent.executor.probes import endpoint, first_token_ms, probe_health
@@ -62,10 +64,6 @@ DEVICE_POLL_S = 0.25
 STOP_RETRY_S = 2.0
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 @dataclass(frozen=True)
 class Ended:
     """Why an engine run ended (or could not start)."""
@@ -83,17 +81,17 @@ def describe_exit(record: ExitRecord | None) -> Ended:
     ran = max(0.0, record.finished_at - record.started_at)
     sig = record.signal
     code = record.exit_code if record.exit_code is not None else (128 + sig if sig else 0)
-    if record.cause == "oom_killed" or record.oom_killed:
+    if record.cause == ExitCause.OOM_KILLED or record.oom_killed:
         return Ended("OOMKilled", 128 + signal.SIGKILL, True, ran)
-    if record.cause == "failed":
+    if record.cause == ExitCause.FAILED:
         return Ended(f"engine could not start: {record.message}", code, False, ran)
-    if record.cause == "signaled" and sig:
+    if record.cause == ExitCause.SIGNALED and sig:
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = f"signal {sig}"
         return Ended(f"engine was killed by {name}", code, False, ran)
-    if record.cause == "stopped":
+    if record.cause == ExitCause.STOPPED:
         return Ended(f"engine stopped: {record.message or 'by its supervisor'}", code, False, ran)
     return Ended(f"engine exited with code {code}", code, False, ran)
 
@@ -125,7 +123,7 @@ class InstanceWorker:
         self.last_end = ""
         self.stop_reason = ""
         self.status = agent_pb2.InstanceStatus(
-            instance_id=self.iid, workload_id=assignment.workload_id, phase="Pending"
+            instance_id=self.iid, workload_id=assignment.workload_id, phase=InstancePhase.PENDING
         )
         self._stop = asyncio.Event()
         self._ftl: asyncio.Task[None] | None = None
@@ -133,7 +131,7 @@ class InstanceWorker:
         if saved:
             self._restore(saved)
         if handle is not None:
-            self.status.phase = "Starting"
+            self.status.phase = InstancePhase.STARTING
             self.status.pid = handle.engine_pid or 0
 
     # ------------------------------------------------------------------------------------ state
@@ -255,14 +253,14 @@ class InstanceWorker:
 
     async def _start(self) -> Ended | None:
         after = f"restart {self.status.restarts} after {self.last_end}" if self.last_end else ""
-        self._set(phase="Pending", reason=after or "preparing", pid=0)
+        self._set(phase=InstancePhase.PENDING, reason=after or "preparing", pid=0)
         t0 = time.monotonic()
         try:
             prep = await prepare(self.ctx, self.assignment, self.port)
         except PrepareError as e:
             if not e.permanent:
                 return Ended(str(e))
-            self._set(phase="Failed", reason=str(e))
+            self._set(phase=InstancePhase.FAILED, reason=str(e))
             await self._stop.wait()
             return None
         self.port, self.note = prep.port, prep.note
@@ -294,7 +292,7 @@ class InstanceWorker:
             record = read_exit(self.dir)
             return describe_exit(record) if record is not None else Ended(str(e))
         self._set(
-            phase="Starting",
+            phase=InstancePhase.STARTING,
             reason=self._reason(after),
             pid=self.handle.engine_pid or 0,
             started_at_unix_ms=int(self.handle.started_at * 1000),
@@ -309,7 +307,8 @@ class InstanceWorker:
         while (held := await asyncio.to_thread(devlock.busy, lock_dir, devices)) is not None:
             who = await asyncio.to_thread(devlock.holder, lock_dir, held)
             self._set(
-                phase="Pending", reason=f"waiting for device {held}: still held by {who or 'an engine'}"
+                phase=InstancePhase.PENDING,
+                reason=f"waiting for device {held}: still held by {who or 'an engine'}",
             )
             if await self._sleep(DEVICE_POLL_S):
                 return True
@@ -322,7 +321,7 @@ class InstanceWorker:
         ready_since: float | None = None
         failures = 0
         watching_since = time.monotonic()
-        adopted = self.status.phase == "Starting" and self.status.ready_at_unix_ms > 0
+        adopted = self.status.phase == InstancePhase.STARTING and self.status.ready_at_unix_ms > 0
         while True:
             if await self._sleep(s.probe_interval_s):
                 return None
@@ -340,7 +339,7 @@ class InstanceWorker:
                 if ready_since is None:
                     ready_since = time.monotonic()
                     ready_at = self.status.ready_at_unix_ms if adopted else now_ms()
-                    self._set(phase="Running", reason=self._reason(), ready_at_unix_ms=ready_at)
+                    self._set(phase=InstancePhase.RUNNING, reason=self._reason(), ready_at_unix_ms=ready_at)
                     if not adopted or not self.status.first_token_ms:
                         self._ftl = asyncio.create_task(self._measure_first_token(), name=f"ftl-{self.iid}")
                 continue
@@ -375,7 +374,7 @@ class InstanceWorker:
             "instance ended; restarting after back-off", instance=self.iid, why=ended.reason, delay=delay
         )
         self._set(
-            phase="CrashLoopBackOff",
+            phase=InstancePhase.CRASH_LOOP,
             reason=f"{ended.reason}; restart {self.status.restarts + 1} in {delay:.1f}s",
             pid=0,
             exit_code=ended.exit_code,
@@ -406,7 +405,7 @@ class InstanceWorker:
         while (failure := await self._stop_engine()) is not None:
             self._set(reason=f"stop failed ({failure}); retrying in {STOP_RETRY_S:g}s")
             await asyncio.sleep(STOP_RETRY_S)
-        self._set(phase="Stopped", reason=self.stop_reason, pid=0)
+        self._set(phase=InstancePhase.STOPPED, reason=self.stop_reason, pid=0)
 
 
 def read_saved(instance_dir: Path) -> dict[str, Any] | None:

@@ -38,6 +38,7 @@ import structlog
 
 from kunlun_common.api import agent_pb2, workload_pb2
 from kunlun_common.names import parse_device_name
+from kunlun_common.states import SERVING, InstancePhase
 from node_agent.executor.instance import InstanceWorker, read_saved
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.supervisor_api import SupervisorHandle, adopt, alive, reap, stop
@@ -330,9 +331,9 @@ class ExecutorManager:
             totals[key] = int(d.hbm_memory_mb or d.total_memory_mb)
         for w in self.workers.values():
             phase = w.status.phase
-            if phase not in ("Starting", "Running"):
+            if phase not in SERVING:
                 continue
-            util = RUNNING_UTILIZATION if phase == "Running" else STARTING_UTILIZATION
+            util = RUNNING_UTILIZATION if phase == InstancePhase.RUNNING else STARTING_UTILIZATION
             for name in w.assignment.devices:
                 with contextlib.suppress(ValueError):
                     p = parse_device_name(name)

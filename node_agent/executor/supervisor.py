@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 
 from kunlun_common.errors import KunlunError
+from kunlun_common.states import ExitCause, SupervisorStatus
 from node_agent.executor import devlock, fence, ledger
 from node_agent.executor.cgroups import InstanceCgroup, detect_layout
 from node_agent.executor.logfiles import LineSplitter, LogSettings, RotatingLineLog
@@ -233,7 +234,7 @@ class _Supervisor:
         return status_r
 
     def _set_engine(self, pid: int) -> None:
-        self.write_state("running", engine_pid=pid, engine_start=process_start_ticks(pid))
+        self.write_state(SupervisorStatus.RUNNING, engine_pid=pid, engine_start=process_start_ticks(pid))
 
     def _on_status(self, line: bytes) -> None:
         event = json.loads(line)
@@ -276,7 +277,7 @@ class _Supervisor:
             request = _read_json(self.dir / STOP_FILE) or {}
             self.grace_s = float(request.get("grace_s", self.grace_s))
             self.stopping_since = now
-            self.write_state("stopping")
+            self.write_state(SupervisorStatus.STOPPING)
             log.info("supervisor.stopping", grace_s=self.grace_s)
             self._signal_engine(signal.SIGTERM)
         elif self.stopping_since is not None and not self.killed and now - self.stopping_since > self.grace_s:
@@ -361,16 +362,16 @@ class _Supervisor:
         if "error" in self.events:
             message = self.events["error"].get("message", message)
         if self.proc is None or "error" in self.events or ("started" not in self.events and self.namespaced):
-            cause = "failed"
+            cause = ExitCause.FAILED
         elif oom_count:
-            cause = "oom_killed"
+            cause = ExitCause.OOM_KILLED
         elif self.stopping_since is not None:
-            cause = "stopped"
+            cause = ExitCause.STOPPED
             message = message or self.stop_cause
         elif sig is not None:
-            cause = "signaled"
+            cause = ExitCause.SIGNALED
         else:
-            cause = "exited"
+            cause = ExitCause.EXITED
         record = ExitRecord(
             cause,
             exit_code,
@@ -389,10 +390,10 @@ class _Supervisor:
             except KunlunError as exc:
                 log.error("supervisor.cgroup_cleanup_failed", error=str(exc))
         if self.proc is not None:  # stamped after the engine and its cgroup are gone
-            self.record("stop", self.proc.pid, f"{cause}: {message}" if message else cause)
+            self.record("stop", self.proc.pid, f"{cause}: {message}" if message else str(cause))
         devlock.release(self.lock_fds)
         self.lock_fds = []
-        self.write_state("failed" if cause == "failed" else "exited")
+        self.write_state(SupervisorStatus.FAILED if cause == ExitCause.FAILED else SupervisorStatus.EXITED)
         return record
 
 
@@ -409,7 +410,7 @@ def run_supervisor(spec: SupervisorSpec) -> int:
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # wakes the select loop through the wakeup fd
-    sup.write_state("starting")
+    sup.write_state(SupervisorStatus.STARTING)
     why = sup.fence_expired()
     if why:
         log.error("supervisor.fenced_before_start", reason=why)

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.states import SUPERVISOR_DONE, ExitCause, SupervisorStatus
 from node_agent.executor.cgroups import CgroupLimits, InstanceCgroup, detect_layout
 from node_agent.executor.logfiles import LogSettings
 from node_agent.executor.sandbox import SandboxSettings
@@ -219,7 +220,7 @@ def adopt(instance_dir: Path) -> SupervisorHandle | None:
     """Find the live supervisor of `instance_dir` (e.g. after an agent restart), verified via /proc."""
     instance_dir = instance_dir.resolve()
     state = read_state(instance_dir)
-    if state is None or state.get("status") in ("exited", "failed"):
+    if state is None or state.get("status") in SUPERVISOR_DONE:
         return None
     pid, start = int(state["supervisor_pid"]), state.get("supervisor_start")
     if start is None or not _is_our_supervisor(pid, int(start), instance_dir / SPEC_FILE):
@@ -251,7 +252,10 @@ def launch(spec: SupervisorSpec, timeout_s: float = 30.0) -> SupervisorHandle:
 
     def settled() -> bool:
         state = read_state(d) or {}
-        if state.get("status") in ("exited", "failed", "stopping") or state.get("engine_pid") is not None:
+        if (
+            state.get("status") in (*SUPERVISOR_DONE, SupervisorStatus.STOPPING)
+            or state.get("engine_pid") is not None
+        ):
             return True
         pid, start = state.get("supervisor_pid"), state.get("supervisor_start")
         return pid is not None and process_start_ticks(int(pid)) != start  # died while starting
@@ -259,11 +263,11 @@ def launch(spec: SupervisorSpec, timeout_s: float = 30.0) -> SupervisorHandle:
     if not _wait_until(settled, timeout_s):
         raise TemporaryError(f"supervisor for {spec.instance_id} did not report a running engine in time")
     state = read_state(d) or {}
-    if state.get("status") == "starting":
+    if state.get("status") == SupervisorStatus.STARTING:
         raise PermanentError(
             f"supervisor for {spec.instance_id} died while starting; see {d / SUPERVISOR_LOG}"
         )
-    if state.get("status") == "failed":
+    if state.get("status") == SupervisorStatus.FAILED:
         record = read_exit(d)
         raise PermanentError(
             f"engine {spec.instance_id} failed to start: {record.message if record else '?'}"
@@ -304,7 +308,7 @@ def reap(instance_dir: Path) -> bool:
     what is left of its engine, remove its cgroup and record the exit. True when there was one."""
     instance_dir = instance_dir.resolve()
     state = read_state(instance_dir)
-    if state is None or read_exit(instance_dir) is not None or state.get("status") in ("exited", "failed"):
+    if state is None or read_exit(instance_dir) is not None or state.get("status") in SUPERVISOR_DONE:
         return False
     try:
         handle = SupervisorHandle(
@@ -346,6 +350,8 @@ def _clean_up_after_lost_supervisor(handle: SupervisorHandle) -> None:
         except (OSError, ValueError) as exc:
             log.error("ledger write failed", error=str(exc))
     now = time.time()
-    record = ExitRecord("stopped", None, None, None, None, "supervisor lost; engine killed", now, now)
+    record = ExitRecord(ExitCause.STOPPED, None, None, None, None, "supervisor lost; engine killed", now, now)
     atomic_write_json(handle.instance_dir / EXIT_FILE, asdict(record))
-    atomic_write_json(handle.instance_dir / STATE_FILE, {**state, "status": "exited", "updated_at": now})
+    atomic_write_json(
+        handle.instance_dir / STATE_FILE, {**state, "status": SupervisorStatus.EXITED, "updated_at": now}
+    )

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from kunlun_common.api import plugin_pb2, types_pb2
 from kunlun_common.errors import PermanentError
 from kunlun_common.names import parse_device_name
+from kunlun_common.states import DEVICE_STATE_OF_PROTO, DeviceState
 
 __all__ = [
     "STATUS_NAMES",
@@ -60,20 +61,14 @@ __all__ = [
     "total_distance",
 ]
 
-STATUS_NAMES: dict[int, str] = {
-    types_pb2.DEVICE_STATUS_UNSPECIFIED: "Unknown",
-    types_pb2.DEVICE_STATUS_READY: "Ready",
-    types_pb2.DEVICE_STATUS_UNHEALTHY: "Unhealthy",
-    types_pb2.DEVICE_STATUS_UNAVAILABLE: "Unavailable",
-    types_pb2.DEVICE_STATUS_ERROR: "Error",
-}
+STATUS_NAMES: Mapping[int, str] = DEVICE_STATE_OF_PROTO
 UNKNOWN_DISTANCE = 1000  # distance assumed between two devices when neither row gives it
 EXHAUSTIVE_LIMIT = 50_000  # above this many combinations, choose_devices searches greedily
 
 
 def status_name(status: int) -> str:
     """ "Ready", "Unhealthy", "Unavailable", "Error" (or "Unknown")."""
-    return STATUS_NAMES.get(status, "Unknown")
+    return DeviceState.of(status)
 
 
 class PluginError(PermanentError):

@@ -33,6 +33,7 @@ import structlog
 from google.protobuf import struct_pb2
 
 from kunlun_common.api import types_pb2
+from kunlun_common.clock import now_ms
 from node_agent.plugins.config import DeviceDecl, NodeConfig
 from node_agent.plugins.contract import (
     AllocateResult,
@@ -171,7 +172,7 @@ class VendorPlugin(DevicePlugin):
             error=error,
             raw_output=raw,
             duration_s=time.monotonic() - started,
-            sampled_at_ms=int(time.time() * 1000),
+            sampled_at_ms=now_ms(),
         )
 
     def verdict(self, d: DeviceDecl, sample: ToolSample) -> Verdict:
