@@ -270,7 +270,7 @@ def check_convergence(observations: Sequence[Observation], last_heal: float, bou
 
 # ----------------------------------------------------------------------------- 7. serving
 # faults after which a retrying client must see no error for a non-streaming request
-STRICT_SERVING_KINDS = frozenset({"gateway-kill", "gateway-pause"})
+STRICT_SERVING_KINDS = frozenset({"gateway-kill", "gateway-pause", "backend-kill"})
 
 
 def faults_active(faults: Sequence[FaultRecord], t: float) -> list[str]:
@@ -305,7 +305,7 @@ def check_serving(serve: Sequence[ServeOp], faults: Sequence[FaultRecord]) -> Ve
     return Verdict(
         "serving",
         not bad,
-        f"{len(serve)} requests, {total_err} client-visible errors; {len(bad)} during gateway-only faults",
+        f"{len(serve)} requests, {total_err} client-visible errors; {len(bad)} during gateway/single-backend faults",
         bad,
     )
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from chaos.clients import SERVE_WORKLOAD
 from chaos.netcluster import ETCD, NetCluster
 from chaos.netns import namespace_pids
 from devcluster.procs import ManagedProcess
@@ -37,6 +38,7 @@ KINDS: dict[str, tuple[float, str]] = {
     "one-way-drop": (8.0, "drop packets one way (output rule in the sender's namespace), then heal"),
     "etcd-disk-full": (6.0, "fill the small tmpfs under one etcd member's data, then free it"),
     "engines-kill": (3.0, "kill -9 every engine of one agent at once"),
+    "backend-kill": (3.0, "kill -9 one engine of the serving workload (its other instance serves)"),
 }
 
 
@@ -158,8 +160,9 @@ class Injector:
         name = etcd_leader(self.c) or self.rng.choice(ETCD)
         return self._pause(kind, self.c.etcd.member(name).proc, "etcd raft leader")
 
-    def engines(self, node: str) -> list[int]:
-        """Pids of the engine processes on `node` (test engines or SGLang)."""
+    def engines(self, node: str, serving: str = "") -> list[int]:
+        """Pids of the engine processes on `node` (test engines or SGLang); of workload `serving` only
+        when given."""
         out = []
         for pid in namespace_pids(self.c.net.hosts[node].ns):
             try:
@@ -171,7 +174,8 @@ class Injector:
             if any(m.startswith((b"node_agent.testengine", b"sglang.launch_server")) for m in modules) or (
                 argv and argv[0].endswith(b"kunlun-test-engine")
             ):
-                out.append(pid)
+                if not serving or serving.encode() in argv:
+                    out.append(pid)
         return out
 
     def _engines_kill(self, kind: str) -> Injected:
@@ -183,6 +187,15 @@ class Injector:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return Injected(kind, node, f"kill -9 {len(killed)} engines {killed}", lambda: None)
+
+    def _backend_kill(self, kind: str) -> Injected:
+        engines = [(n, pid) for n in sorted(self.c.agents) for pid in self.engines(n, SERVE_WORKLOAD)]
+        if not engines:
+            return Injected(kind, "-", f"no engine of {SERVE_WORKLOAD} found", lambda: None)
+        node, pid = self.rng.choice(engines)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return Injected(kind, node, f"kill -9 engine pid {pid} of {SERVE_WORKLOAD}", lambda: None)
 
     # ------------------------------------------------------------------ network
     def _isolate_host(self, kind: str) -> Injected:
@@ -220,7 +233,7 @@ class Injector:
     # ------------------------------------------------------------------ disk
     def _etcd_disk_full(self, kind: str) -> Injected:
         name = ETCD[0]
-        filler = self.c.base / "etcd" / name / "filler"
+        filler = self.c.base / "etcd" / name / "data" / "filler"
         if not self.c.etcd_tmpfs_mb:
             return Injected(kind, name, "skipped: no tmpfs under this member", lambda: None)
         n = fill_disk(filler)

@@ -43,7 +43,8 @@ class NetCluster(LocalCluster):
 
     topo: Topology | None = None
     etcd_tmpfs_mb: int = 0
-    """When > 0: etcd-1's data dir is a tmpfs of this size (for the disk-full fault)."""
+    """When > 0: etcd-1's data dir is a tmpfs of this size (for the disk-full fault). The mount
+    lives in the mount namespace of the process that starts the cluster, so it goes with it."""
 
     @property
     def net(self) -> Topology:
@@ -72,7 +73,7 @@ class NetCluster(LocalCluster):
 
     def start_etcd(self, timeout: float = 90.0) -> None:
         if self.etcd_tmpfs_mb:
-            mnt = self.base / "etcd" / ETCD[0]
+            mnt = self.base / "etcd" / ETCD[0] / "data"
             mnt.mkdir(parents=True, exist_ok=True)
             subprocess.run(
                 ["mount", "-t", "tmpfs", "-o", f"size={self.etcd_tmpfs_mb}m", "tmpfs", str(mnt)],
@@ -168,7 +169,9 @@ class NetCluster(LocalCluster):
     def stop(self) -> None:
         super().stop()
         if self.etcd_tmpfs_mb:
-            subprocess.run(["umount", "-l", str(self.base / "etcd" / ETCD[0])], check=False, timeout=30)
+            subprocess.run(
+                ["umount", "-l", str(self.base / "etcd" / ETCD[0] / "data")], check=False, timeout=30
+            )
 
 
 def net_cluster(base: Path, run_id: str, subnet: str = "10.213.0", etcd_tmpfs_mb: int = 0) -> NetCluster:

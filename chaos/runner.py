@@ -260,7 +260,7 @@ def drive(base: Path, run_id: str, profile_name: str, seed: int, out: Path, faul
                 h.faults.append(FaultRecord(kind, "-", start, time.time() - t0, f"not injected: {e}"))
                 continue
             log(f"fault {n}/{prof.faults}: {kind} on {inj.target}: {inj.detail}")
-            time.sleep(KINDS[kind][0] * (0.75 + 0.5 * rng.random()))
+            time.sleep(KINDS[kind][0] * (1.0 + 0.25 * rng.random()))  # never shorter: pauses outlast TTLs
             try:
                 inj.heal()
             except Exception as e:

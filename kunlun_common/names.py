@@ -1,11 +1,34 @@
-"""Device names: `<node>/<type>:<index>` everywhere (API, CLI, JSON, logs)."""
+"""Device names: `<node>/<type>:<index>` everywhere (API, CLI, JSON, logs), and the vendor registry line.
+
+`VENDOR_NAMES` is the one list of accelerator vendors, shared by every process: the control plane
+validates device types and workload engines with it, the node agent loads `node_agent/vendors/<type>.py`
+for each entry (that module's `VENDOR` record holds everything else about the vendor). Adding a vendor adds
+one line here.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-DEVICE_TYPES = ("ascend", "cambricon", "hygon", "nvidia")
+
+@dataclass(frozen=True)
+class VendorName:
+    """A vendor as every process knows it."""
+
+    type_name: str
+    """Device type: lowercase letters, the `<type>` of device names and the module node_agent/vendors/<type>.py."""
+    sglang_refusal: str = ""
+    """Why `engine: sglang` cannot run on this vendor (said at submit); empty when SGLang can run on it."""
+
+
+VENDOR_NAMES: tuple[VendorName, ...] = (
+    VendorName("ascend"),
+    VendorName("cambricon"),
+    VendorName("hygon"),
+    VendorName("nvidia"),
+)
+DEVICE_TYPES = tuple(v.type_name for v in VENDOR_NAMES)
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _DEVICE_RE = re.compile(r"^(?P<node>[a-z0-9][a-z0-9-]*)/(?P<type>[a-z]+):(?P<index>\d+)$")
 
@@ -18,6 +41,11 @@ class DeviceName:
 
     def __str__(self) -> str:
         return f"{self.node}/{self.device_type}:{self.index}"
+
+
+def sglang_refusal(device_type: str) -> str:
+    """Why `engine: sglang` cannot run on `device_type` ("" when it can, or when the type is unknown)."""
+    return next((v.sglang_refusal for v in VENDOR_NAMES if v.type_name == device_type), "")
 
 
 def device_name(node: str, device_type: str, index: int) -> str:

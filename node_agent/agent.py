@@ -16,7 +16,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
-from node_agent.devices import DeviceManager, simulated_env
+from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.prepare import NodeContext
@@ -30,8 +30,8 @@ from node_agent.executor.sandbox import (
 from node_agent.node_service import NodeServiceServer, NodeServiceServicer
 from node_agent.plugins.config import NodeConfig, load_config
 from node_agent.plugins.remote import plugin_socket_dir
-from node_agent.plugins.standin.state import STATE_ENV
 from node_agent.settings import AgentSettings
+from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("agent")
 VERSION = "0.1.0"
@@ -91,7 +91,8 @@ class Agent:
         state_dir = Path(settings.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir.resolve()
-        env = simulated_env(self.config, state_dir) if self.config.simulated else dict(os.environ)
+        simulated = simulated_mode(self.config, state_dir) if self.config.simulated else None
+        env = simulated.env if simulated is not None else dict(os.environ)
         self.devices = DeviceManager(self.config, env)
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.protections = detect_protections()
@@ -109,12 +110,11 @@ class Agent:
             devices=self.devices.devices,
             plugin=self.devices.plugin,
         )
-        sim_state = Path(env[STATE_ENV]) if self.config.simulated and STATE_ENV in env else None
         self.executor = ExecutorManager(
             ctx,
             protection_names(self.protections),
             self._seconds_since_contact,
-            sim_state,
+            simulated.chip_usage if simulated is not None else None,
             fence_deadline_s=settings.executor.disconnect_stop_s,
         )
         self.node_service = NodeServiceServer(

@@ -15,14 +15,14 @@ The declaration stays the source of every device's attributes; a plugin contribu
 and telemetry. Declarations of an unknown device type are in Error from the start.
 
 In simulated mode the same adapters run against stand-in tools (installed as shims on a private PATH)
-that read a per-node state file seeded from the declaration (`simulated_env`); nothing else differs.
+that read a per-node state file seeded from the declaration (`simulated_env`, loaded through
+`node_agent.simulation`, which injects the simulator); nothing else differs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,9 +32,8 @@ from kunlun_common.api import agent_pb2, types_pb2
 from node_agent.plugins.config import NodeConfig
 from node_agent.plugins.contract import DevicePlugin
 from node_agent.plugins.remote import PluginRegistry, RemotePlugin
-from node_agent.plugins.standin.state import SimChip, install_shims, write_state
 from node_agent.plugins.vendor_plugin import ToolSample, VendorPlugin, device_from_decl, plugins_for
-from node_agent.plugins.vendors import ADAPTERS
+from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("devices")
 ERROR = types_pb2.DEVICE_STATUS_ERROR
@@ -43,24 +42,7 @@ UNAVAILABLE = types_pb2.DEVICE_STATUS_UNAVAILABLE
 
 def simulated_env(config: NodeConfig, state_dir: Path) -> dict[str, str]:
     """Seed the stand-in tools' state from the declaration (once) and put their shims on PATH."""
-    state = Path(config.simulator_state) if config.simulator_state else state_dir / "sim-state.json"
-    if not state.exists():
-        chips = [
-            SimChip(
-                device_type=d.device_type,
-                index=d.device_id,
-                model=d.model,
-                memory_total_mb=d.hbm_memory_mb or d.total_memory_mb,
-                bus_id=f"0000:{0x10 + i:02x}:00.0",
-            )
-            for i, d in enumerate(config.devices)
-            if d.device_type in ADAPTERS
-        ]
-        state.parent.mkdir(parents=True, exist_ok=True)
-        write_state(state, chips)
-    env = dict(os.environ)
-    env.update(install_shims(state_dir / "sim-bin", sys.executable, state))
-    return env
+    return simulated_mode(config, state_dir).env
 
 
 class DeviceManager:

@@ -92,6 +92,12 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         action="store_true",
         help="stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them to the next agent)",
     )
+    p.add_argument(
+        "--require-signed-config",
+        action="store_true",
+        help="refuse a device declaration without a valid CONFIG.sig by a key in --trusted-keys",
+    )
+    p.add_argument("--trusted-keys", default="", help="folder of trusted signers' public keys (*.pub)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     endpoints = tuple(e.strip() for e in a.endpoints.split(",") if e.strip())
@@ -147,6 +153,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         ack_timeout_s=a.ack_timeout,
         node_service_listen=a.node_service_listen,
         executor=executor,
+        require_signed_config=a.require_signed_config,
+        trusted_keys_dir=a.trusted_keys,
     )
 
 
@@ -162,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
         from node_agent.agent import Agent
+        from node_agent.declaration_trust import load_declaration
 
-        agent = Agent(settings)
+        agent = Agent(settings, load_declaration(settings))
     except ConfigError as e:
         print(f"kunlun-agent: {e}", file=sys.stderr)
         sys.exit(2)

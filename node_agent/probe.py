@@ -3,7 +3,7 @@
     kunlun-device-probe --config device-plugin-config.yaml [--verbose] [-o json] [--state-dir D]
 
 Steps, each printed: (1) read and check the config file (every problem when it cannot be used);
-(2) in simulated mode, set up the stand-in vendor tools exactly like the agent (`simulated_env`: the
+(2) in simulated mode, set up the stand-in vendor tools exactly like the agent (`node_agent.simulation`: the
 state file and shims in the state directory, a fresh temporary one unless --state-dir names the
 agent's); (3) run each declared vendor's tool once, printing the command line, where it was found and
 what it reported (its raw output with --verbose); (4) build each device from its declaration and the
@@ -31,15 +31,17 @@ from google.protobuf import json_format
 
 from kunlun_common.api import types_pb2
 from kunlun_common.logs import setup_logging
-from node_agent.devices import DeviceManager, simulated_env
+from node_agent.devices import DeviceManager
 from node_agent.plugins.config import ConfigFileError, DeviceDecl, NodeConfig, load_config
 from node_agent.plugins.contract import status_name
 from node_agent.plugins.vendor_plugin import ToolSample, VendorPlugin
-from node_agent.plugins.vendors.base import format_command
+from node_agent.simulation import simulated_mode
+from node_agent.vendors.base import format_command
 
 EXIT_OK, EXIT_UNUSABLE, EXIT_INVALID = 0, 1, 2
 REASON_WIDTH = 100  # the table shortens reasons to this (not with --verbose); the summary has them whole
 Say = Callable[[str], None]
+MEMORY_UNAVAILABLE = "memory unavailable (declared size unchecked)"
 
 
 def _indent(text: str, prefix: str = "      | ") -> str:
@@ -59,12 +61,14 @@ def _decl_line(config: NodeConfig, d: DeviceDecl) -> str:
 def _describe_run(plugin: VendorPlugin, run: ToolSample, verbose: bool, say: Say) -> None:
     where = run.executable or "not found on PATH"
     say(f"  {plugin.device_type}: running `{format_command(run.command)}` ({where})")
+    if run.tool != plugin.adapter.tool:
+        say(f"    ({plugin.adapter.tool} is not on PATH: {run.tool} runs instead)")
     if run.error is not None:
         say(f"    -> failed after {run.duration_s:.2f} s: {run.error}")
     else:
         say(f"    -> ok in {run.duration_s:.2f} s: {len(run.observed)} device(s) reported")
         for o in sorted(run.observed, key=lambda o: o.index):
-            memory = "?" if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
+            memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
             say(f"       index {o.index}: model {o.model!r}, {memory}, health {o.health}")
     if verbose:
         say("    raw output:")
@@ -77,7 +81,7 @@ def _describe_device(manager: DeviceManager, d: DeviceDecl, dev: types_pb2.Devic
     verdict = plugin.verdicts.get(dev.name) if plugin is not None else None
     if verdict is not None and verdict.observed is not None:
         o = verdict.observed
-        memory = "?" if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
+        memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
         say(
             f"    {plugin.tool if plugin else '?'} index {o.index}: model {o.model!r}, {memory}, "
             f"health {o.health}, {o.utilization_pct or 0:g}% busy, {o.memory_used_mb or 0} MB used"
@@ -131,7 +135,7 @@ def _sim_setup(config: NodeConfig, state_dir: str | None, say: Say) -> tuple[dic
         return dict(os.environ), None
     temporary = None if state_dir else tempfile.mkdtemp(prefix="kunlun-probe-")
     directory = Path(state_dir or temporary or ".")
-    env = simulated_env(config, directory)
+    env = simulated_mode(config, directory).env
     state = config.simulator_state or str(directory / "sim-state.json")
     say(f"  mode: simulated (node.simulated: true): stand-in vendor tools, shims in {directory / 'sim-bin'}")
     note = " (a fresh one seeded from the declaration)" if temporary and not config.simulator_state else ""

@@ -75,3 +75,7 @@ class AgentSettings:
     address and a free port."""
     executor: ExecutorSettings = field(default_factory=ExecutorSettings)
     """Engines: probes, restarts, sandbox policy, stop on disconnect."""
+    require_signed_config: bool = False
+    """Load the device declaration only with a valid detached signature (`FILE.sig`) by a trusted key."""
+    trusted_keys_dir: str = ""
+    """Folder of trusted Ed25519 public keys (*.pub) for signed declarations."""

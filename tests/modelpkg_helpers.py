@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import struct
+import subprocess
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
+from controlplane.cli.main import main
 from kunlun_common.modelpkg import generate_keypair
 
 
@@ -58,3 +63,23 @@ def make_keys(folder: Path, name: str = "release") -> tuple[Path, Path, str]:
     priv, pub = folder / f"{name}.key", folder / f"{name}.pub"
     kid = generate_keypair(priv, pub)
     return priv, pub, kid
+
+
+def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in this process (a process per call costs seconds on a busy machine); exit code, output."""
+    out, err = io.StringIO(), io.StringIO()
+    old = os.environ.get("KUNLUN_CONFIG")
+    os.environ["KUNLUN_CONFIG"] = str(home / ".config" / "kunlun" / "config.yaml")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as e:
+                code = int(e.code or 0)
+    finally:
+        if old is None:
+            del os.environ["KUNLUN_CONFIG"]
+        else:
+            os.environ["KUNLUN_CONFIG"] = old
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

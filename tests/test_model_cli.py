@@ -6,7 +6,6 @@ stays bounded while a multi-GB (sparse) model is packed and verified.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -18,30 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.cli.main import main
-from tests.modelpkg_helpers import add_sparse_safetensors, make_keys, make_model
+from tests.modelpkg_helpers import add_sparse_safetensors, cli, make_keys, make_model
 
 CLI = [sys.executable, "-m", "controlplane.cli.main"]
-
-
-def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in this process (a process per call costs seconds on a busy machine); exit code, output."""
-    out, err = io.StringIO(), io.StringIO()
-    old = os.environ.get("KUNLUN_CONFIG")
-    os.environ["KUNLUN_CONFIG"] = str(home / ".config" / "kunlun" / "config.yaml")
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(list(args))
-                code = 0
-            except SystemExit as e:
-                code = int(e.code or 0)
-    finally:
-        if old is None:
-            del os.environ["KUNLUN_CONFIG"]
-        else:
-            os.environ["KUNLUN_CONFIG"] = old
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def cli_process(*args: str, home: Path) -> subprocess.CompletedProcess[str]:

@@ -210,7 +210,7 @@ async def test_allocate_cambricon_and_nvidia() -> None:
     assert await plugin(config, "nvidia").allocate(["node-b/nvidia:0"]) == AllocateResult(
         envs={"CUDA_VISIBLE_DEVICES": "0"},
         device_nodes=("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"),
-        engine_args=("--device", "cuda"),
+        engine_args=(),  # CUDA is SGLang's default device
     )
     with pytest.raises(PluginError, match="node-b/cambricon:0 is a cambricon device; plugin nvidia serves"):
         await plugin(config, "nvidia").allocate(["node-b/cambricon:0"])
@@ -221,7 +221,7 @@ async def test_allocate_hygon_maps_cards_to_render_nodes() -> None:
     assert await dcu.allocate(["dcu-01/hygon:5", "dcu-01/hygon:0"]) == AllocateResult(
         envs={"HIP_VISIBLE_DEVICES": "0,5"},
         device_nodes=("/dev/dri/renderD128", "/dev/dri/renderD133", "/dev/kfd"),
-        engine_args=("--device", "cuda"),
+        engine_args=(),  # SGLang's AMD guide: no --device, the ROCm build detects the device
     )
 
 

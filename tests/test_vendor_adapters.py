@@ -29,9 +29,9 @@ from node_agent.plugins.standin.state import (
     update_chip,
     write_state,
 )
-from node_agent.plugins.vendors import ADAPTERS, adapter_for
-from node_agent.plugins.vendors.ascend import AscendAdapter, parse_npu_smi_info
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors import ADAPTERS, adapter_for
+from node_agent.vendors.ascend import AscendAdapter, parse_npu_smi_info
+from node_agent.vendors.base import (
     ObservedDevice,
     ToolFailed,
     ToolNotFound,
@@ -40,10 +40,10 @@ from node_agent.plugins.vendors.base import (
     cross_check,
     models_match,
 )
-from node_agent.plugins.vendors.cambricon import CambriconAdapter, parse_cnmon_json
-from node_agent.plugins.vendors.hygon import FLAGS as HYGON_FLAGS
-from node_agent.plugins.vendors.hygon import HygonAdapter, parse_smi_json
-from node_agent.plugins.vendors.nvidia import (
+from node_agent.vendors.cambricon import CambriconAdapter, parse_cnmon_json
+from node_agent.vendors.hygon import FLAGS as HYGON_FLAGS
+from node_agent.vendors.hygon import HygonAdapter, parse_smi_json
+from node_agent.vendors.nvidia import (
     NvidiaAdapter,
     combine,
     parse_nvsmi_log,

@@ -13,6 +13,7 @@ from pathlib import Path
 from controlplane.cli import (
     certs_cmd,
     cluster_cmd,
+    declaration_cmd,
     device_cmd,
     gateway_cmd,
     model_cmd,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout_cmd.register(sub, common)
     workload_cmd.register_scheduler(sub, common)
     model_cmd.register(sub, common)
+    declaration_cmd.register(sub, common)
     node_engines_cmd.register(sub, common)
     return p
 

@@ -6,14 +6,10 @@ SGLang (`engine="sglang"`)::
         --host <node address> --port P --tp-size N [--dtype D] [--quantization Q] \\
         <vendor args> <plugin engine hints> <custom attribute options> <extra args>
 
-Per vendor (the visibility variable must come from the plugin's allocate result):
-
-| device_type | visibility variable        | SGLang arguments                           |
-|-------------|----------------------------|--------------------------------------------|
-| ascend      | ASCEND_RT_VISIBLE_DEVICES  | --device npu --attention-backend ascend    |
-| cambricon   | MLU_VISIBLE_DEVICES        | (device auto-detected by SGLang's MLU build) |
-| hygon       | HIP_VISIBLE_DEVICES        | (ROCm build: auto-detected)                |
-| nvidia      | CUDA_VISIBLE_DEVICES       | (default CUDA)                             |
+Per vendor, the visibility variable (which must come from the plugin's allocate result), the SGLang
+arguments, the compiler cache variables and the cache key fields come from the vendor's record
+(`node_agent.vendors.<type>`, `VENDOR.runtime`). A vendor on which SGLang cannot run
+(`kunlun_common.names.VendorName.sglang_refusal`) refuses `engine="sglang"` with that reason.
 
 `quantization` must be one of SGLang's `--quantization` choices (see `SGLANG_QUANTIZATIONS`,
 taken from SGLang's server arguments) and `dtype` one of `SGLANG_DTYPES`. Later sources
@@ -51,10 +47,10 @@ runs) with the placeholders `{model} {name} {host} {port} {tp_size} {dtype} {qua
 that is exactly `{engine_hints}` or `{extra_args}` expands to those lists, and extra args not
 placed that way are appended.
 
-A compilation cache directory per node, keyed by (model, engine version, device model), is
-passed through the environment: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for every engine,
-CUDA_CACHE_PATH on NVIDIA, MIOPEN_USER_DB_PATH / MIOPEN_CUSTOM_CACHE_DIR on Hygon, and
-KUNLUN_CACHE_DIR. The caller creates the directory (and chowns it for an unprivileged engine).
+A compilation cache directory per node, keyed by the vendor's cache key fields (by default model,
+engine version, device model), is passed through the environment: TORCHINDUCTOR_CACHE_DIR and
+TRITON_CACHE_DIR for every engine, the vendor's own cache variables (CUDA_CACHE_PATH on NVIDIA,
+MIOPEN_USER_DB_PATH / MIOPEN_CUSTOM_CACHE_DIR on Hygon...), and KUNLUN_CACHE_DIR. The caller creates the directory (and chowns it for an unprivileged engine).
 """
 
 from __future__ import annotations
@@ -72,6 +68,7 @@ import structlog
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.names import DEVICE_TYPES
+from node_agent.vendors import VendorRuntime, vendor
 
 log = structlog.get_logger(__name__)
 
@@ -100,29 +97,6 @@ SGLANG_QUANTIZATIONS = frozenset(
 SGLANG_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
 
 
-@dataclass(frozen=True)
-class VendorProfile:
-    """How one accelerator family is handed to an engine."""
-
-    visible_env: str
-    """Variable that restricts the runtime to the allocated devices."""
-    sglang_args: tuple[str, ...] = ()
-    """Arguments SGLang needs on this hardware."""
-    cache_env: tuple[tuple[str, str], ...] = ()
-    """Vendor compiler caches: (variable, subdirectory of the cache dir)."""
-
-
-VENDORS: Mapping[str, VendorProfile] = {
-    "ascend": VendorProfile(
-        "ASCEND_RT_VISIBLE_DEVICES", ("--device", "npu", "--attention-backend", "ascend")
-    ),
-    "cambricon": VendorProfile("MLU_VISIBLE_DEVICES"),
-    "hygon": VendorProfile(
-        "HIP_VISIBLE_DEVICES",
-        cache_env=(("MIOPEN_USER_DB_PATH", "miopen"), ("MIOPEN_CUSTOM_CACHE_DIR", "miopen")),
-    ),
-    "nvidia": VendorProfile("CUDA_VISIBLE_DEVICES", cache_env=(("CUDA_CACHE_PATH", "cuda"),)),
-}
 COMMON_CACHE_ENV = (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton"))
 CUSTOM_ATTRIBUTE_FLAGS: Mapping[str, tuple[str, type]] = {
     "context_length": ("--context-length", int),
@@ -250,9 +224,45 @@ def cache_dir_for(root: Path, model: str, engine_version: str, device_model: str
     The name is readable slugs plus a hash of the exact triple, so different triples never share
     a directory and no input can escape `root`.
     """
-    digest = hashlib.sha256(json.dumps([model, engine_version, device_model]).encode()).hexdigest()[:16]
-    key = f"{_slug(model, 48)}--{_slug(device_model, 24)}--{_slug(engine_version, 24)}--{digest}"
-    return root / key
+    return cache_dir_for_key(
+        root, {"model": model, "engine_version": engine_version, "device_model": device_model}
+    )
+
+
+CACHE_KEY_FIELDS = frozenset({"model", "engine_version", "device_model", "device_type", "tp_size", "dtype"})
+
+
+def cache_key(req: EngineRequest, settings: LaunchSettings, runtime: VendorRuntime) -> dict[str, str]:
+    """The values of the vendor's cache key fields (`VendorRuntime.cache_key`) for this request."""
+    values = {
+        "model": req.model,
+        "engine_version": settings.engine_version,
+        "device_model": req.device_model,
+        "device_type": req.device_type,
+        "tp_size": str(req.tp_size),
+        "dtype": req.dtype or "",
+    }
+    unknown = [f for f in runtime.cache_key if f not in CACHE_KEY_FIELDS]
+    if unknown:
+        raise ConfigError(
+            f"{req.device_type}: unknown cache key field(s) {unknown}; use {sorted(CACHE_KEY_FIELDS)}"
+        )
+    return {f: values[f] for f in runtime.cache_key}
+
+
+def cache_dir_for_key(root: Path, key: Mapping[str, str]) -> Path:
+    """A safe, stable cache directory under `root` for the key (field -> value, in the vendor's order).
+
+    The name is readable slugs of the model, device model and engine version (when in the key) plus a
+    hash of every value in order, so different keys never share a directory and no input can escape `root`.
+    """
+    digest = hashlib.sha256(json.dumps(list(key.values())).encode()).hexdigest()[:16]
+    slugs = [
+        _slug(key[f], limit)
+        for f, limit in (("model", 48), ("device_model", 24), ("engine_version", 24))
+        if f in key
+    ]
+    return root / "--".join([*slugs, digest])
 
 
 Options = dict[str, tuple[str, ...]]
@@ -306,7 +316,7 @@ def _flatten(opts: Options) -> list[str]:
     return [token for flag, values in opts.items() for token in (flag, *values)]
 
 
-def _visible_devices(req: EngineRequest, vendor: VendorProfile) -> str:
+def _visible_devices(req: EngineRequest, vendor: VendorRuntime) -> str:
     visible = req.envs.get(vendor.visible_env)
     if not visible:
         raise ConfigError(
@@ -321,7 +331,7 @@ def _visible_devices(req: EngineRequest, vendor: VendorProfile) -> str:
     return visible
 
 
-def _cache_env(req: EngineRequest, vendor: VendorProfile, cache_dir: Path | None) -> dict[str, str]:
+def _cache_env(req: EngineRequest, vendor: VendorRuntime, cache_dir: Path | None) -> dict[str, str]:
     if cache_dir is None:
         return {}
     env = {"KUNLUN_CACHE_DIR": str(cache_dir)}
@@ -330,7 +340,7 @@ def _cache_env(req: EngineRequest, vendor: VendorProfile, cache_dir: Path | None
     return env
 
 
-def _sglang_argv(req: EngineRequest, vendor: VendorProfile, settings: LaunchSettings) -> list[str]:
+def _sglang_argv(req: EngineRequest, vendor: VendorRuntime, settings: LaunchSettings) -> list[str]:
     argv = [
         settings.python,
         "-m",
@@ -408,13 +418,19 @@ def build_launch_plan(req: EngineRequest, settings: LaunchSettings) -> LaunchPla
         raise ConfigError(f"device_type {req.device_type!r} is not one of {list(DEVICE_TYPES)}")
     if req.tp_size < 1:
         raise ConfigError(f"tp_size must be at least 1, got {req.tp_size}")
-    vendor = VENDORS[req.device_type]
-    visible = _visible_devices(req, vendor)
+    record = vendor(req.device_type)
+    runtime = record.runtime
+    visible = _visible_devices(req, runtime)
     cache_dir = None
     if settings.cache_root is not None:
-        cache_dir = cache_dir_for(settings.cache_root, req.model, settings.engine_version, req.device_model)
+        cache_dir = cache_dir_for_key(settings.cache_root, cache_key(req, settings, runtime))
+    if req.engine == "sglang" and record.sglang_refusal:
+        raise ConfigError(
+            f"engine 'sglang' cannot run on {req.device_type}: {record.sglang_refusal}; "
+            "use engine 'template' with a command_template for this vendor's own engine"
+        )
     if req.engine == "sglang":
-        argv = _sglang_argv(req, vendor, settings)
+        argv = _sglang_argv(req, runtime, settings)
     elif req.engine == "template":
         values: dict[str, object] = {
             "model": req.model,
@@ -433,5 +449,5 @@ def build_launch_plan(req: EngineRequest, settings: LaunchSettings) -> LaunchPla
         argv = _template_argv(req, values)
     else:
         raise ConfigError(f"engine {req.engine!r} is not supported; use 'sglang' or 'template'")
-    env = {**req.envs, **_cache_env(req, vendor, cache_dir)}
+    env = {**req.envs, **_cache_env(req, runtime, cache_dir)}
     return LaunchPlan(tuple(argv), env, tuple(dict.fromkeys(req.device_nodes)), cache_dir)

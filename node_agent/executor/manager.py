@@ -18,7 +18,8 @@ report sent after the reconnect carries `note` saying when and why (kept for NOT
 
 `report()` is the node's whole InstanceReport (every current instance, the node's protections and the
 note); `changed` is set whenever it differs. On simulated nodes the stand-in chips' memory used and
-utilization follow the engines (the same telemetry path as real hardware).
+utilization follow the engines (the same telemetry path as real hardware), through the `chip_usage`
+hook the simulator's wiring injects.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kunlun_common.states import SERVING, InstancePhase
 from node_agent.executor.instance import InstanceWorker, read_saved
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.supervisor_api import SupervisorHandle, adopt, alive, reap, stop
-from node_agent.plugins.standin.state import StateError, update_chip
+from node_agent.simulation import ChipUsage
 
 log = structlog.get_logger("executor")
 NOTE_KEEP_S = 600.0
@@ -82,14 +83,14 @@ class ExecutorManager:
         ctx: NodeContext,
         protections: Sequence[str],
         seconds_since_contact: Callable[[], float],
-        sim_state: Path | None = None,
+        chip_usage: ChipUsage | None = None,
         fence_deadline_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
         self.fence_deadline_s = fence_deadline_s
         self.protections = list(protections)
         self.seconds_since_contact = seconds_since_contact
-        self.sim_state = sim_state
+        self.chip_usage = chip_usage  # simulated nodes: injected by the simulator's wiring
         self.workers: dict[str, InstanceWorker] = {}
         self.retiring: dict[str, asyncio.Task[None]] = {}
         self.orphans: dict[str, Orphan] = {}
@@ -345,7 +346,7 @@ class ExecutorManager:
         return usage
 
     async def _chips_loop(self) -> None:
-        if self.sim_state is None:
+        if self.chip_usage is None:
             return
         while True:
             await self._chips_dirty.wait()
@@ -356,12 +357,9 @@ class ExecutorManager:
                 await asyncio.to_thread(self._write_chips, changes)
 
     def _write_chips(self, changes: dict[tuple[str, int], tuple[int, float]]) -> None:
-        assert self.sim_state is not None
+        assert self.chip_usage is not None
         for (dtype, index), (mem, util) in changes.items():
-            try:
-                update_chip(self.sim_state, dtype, index, memory_used_mb=mem, utilization_pct=util)
-            except (StateError, OSError) as e:
-                log.debug("simulated chip not updated", chip=f"{dtype}:{index}", error=str(e))
+            self.chip_usage(dtype, index, mem, util)  # the hook logs and swallows its own failures
             self._chips_written[(dtype, index)] = (mem, util)
 
 

@@ -25,6 +25,7 @@ from node_agent.plugins.config_yaml import (
     line_of,
     scalar_value,
 )
+from node_agent.vendors import aliases
 
 SCHEMA_VERSION = 1
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "fp8", "w8a8")
@@ -183,14 +184,7 @@ KEY_ALIASES = {
     "host": "address",
     "ip": "address",
 }
-VENDOR_ALIASES = {
-    "huawei": "ascend",
-    "npu": "ascend",
-    "mlu": "cambricon",
-    "dcu": "hygon",
-    "gpu": "nvidia",
-    "cuda": "nvidia",
-}
+VENDOR_ALIASES = aliases()  # every vendor record's aliases (node_agent.vendors)
 DTYPE_ALIASES = {
     "float32": "fp32",
     "float": "fp32",

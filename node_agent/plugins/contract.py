@@ -12,27 +12,11 @@ Nomad's device plugins (fingerprint + stats + reserve). A plugin serves the devi
 - `allocate(devices)` says how an engine process gets those devices (`AllocateResult`): the vendor's
   visibility variable, the device nodes to expose and engine (SGLang) hints.
 
-Per vendor (`VENDOR_RUNTIMES`; N is the device index, the N of `<node>/<type>:N`):
-
-| type      | visibility variable       | device nodes                                            | SGLang hints |
-|-----------|---------------------------|---------------------------------------------------------|--------------|
-| ascend    | ASCEND_RT_VISIBLE_DEVICES | /dev/davinciN, /dev/davinci_manager, /dev/devmm_svm,    | --device npu |
-|           |                           | /dev/hisi_hdc                                           | --attention-backend ascend |
-| cambricon | MLU_VISIBLE_DEVICES       | /dev/cambricon_devN, /dev/cambricon_ctl                 | (none)       |
-| hygon     | HIP_VISIBLE_DEVICES       | /dev/dri/renderD(128+N), /dev/kfd                       | --device cuda |
-| nvidia    | CUDA_VISIBLE_DEVICES      | /dev/nvidiaN, /dev/nvidiactl, /dev/nvidia-uvm           | --device cuda |
-
-Notes on the table:
-- The variable holds the allocated indexes, ascending, comma-separated ("0,1"). Device nodes list the
-  per-device nodes (ascending index) and then the vendor's shared control nodes.
-- Hygon DCUs are driven through ROCm's KFD (/dev/kfd, shared) and one DRM render node per card. DRM
-  numbers render nodes from 128 in probe order, so card N is /dev/dri/renderD(128+N) when the DCUs are
-  the only DRM devices with render nodes (the usual case on DCU servers; a BMC display adapter has no
-  render node). On a host where another GPU enumerates first, the mapping is off by that many nodes.
-- SGLang's `--device` accepts cuda, xpu, hpu, npu, cpu and musa (its server arguments). Ascend needs
-  `--device npu` and SGLang's Ascend guide adds `--attention-backend ascend`. ROCm builds of PyTorch
-  (Hygon DTK included) expose HIP devices as torch's "cuda" device, hence `--device cuda`. Upstream
-  SGLang has no MLU device; Cambricon's SGLang build selects the MLU itself, so no hint is given.
+Per vendor, the runtime comes from the vendor's record (`node_agent.vendors.<type>`, `VENDOR.runtime`):
+the variable holds the allocated indexes (logical ids), ascending, comma-separated ("0,1"); device nodes
+list the per-device nodes (ascending index, each named by the device's node id: the physical id where a
+vendor tells them apart, as Ascend does) and then the vendor's shared control nodes; engine hints are the
+vendor's SGLang arguments.
 """
 
 from __future__ import annotations
@@ -40,21 +24,20 @@ from __future__ import annotations
 import abc
 import itertools
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kunlun_common.api import plugin_pb2, types_pb2
 from kunlun_common.errors import PermanentError
 from kunlun_common.names import parse_device_name
 from kunlun_common.states import DEVICE_STATE_OF_PROTO, DeviceState
+from node_agent.vendors import vendor
 
 __all__ = [
     "STATUS_NAMES",
-    "VENDOR_RUNTIMES",
     "AllocateResult",
     "DevicePlugin",
     "PluginError",
-    "VendorRuntime",
     "allocation_for",
     "choose_devices",
     "status_name",
@@ -106,51 +89,22 @@ class AllocateResult:
         )
 
 
-@dataclass(frozen=True)
-class VendorRuntime:
-    """What one vendor's runtime needs to see a set of devices (see the module docstring's table)."""
-
-    visible_env: str
-    per_device: Callable[[int], str]
-    shared_nodes: tuple[str, ...]
-    engine_args: tuple[str, ...] = ()
-
-
-VENDOR_RUNTIMES: dict[str, VendorRuntime] = {
-    "ascend": VendorRuntime(
-        "ASCEND_RT_VISIBLE_DEVICES",
-        lambda n: f"/dev/davinci{n}",
-        ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"),
-        ("--device", "npu", "--attention-backend", "ascend"),
-    ),
-    "cambricon": VendorRuntime(
-        "MLU_VISIBLE_DEVICES", lambda n: f"/dev/cambricon_dev{n}", ("/dev/cambricon_ctl",)
-    ),
-    "hygon": VendorRuntime(
-        "HIP_VISIBLE_DEVICES", lambda n: f"/dev/dri/renderD{128 + n}", ("/dev/kfd",), ("--device", "cuda")
-    ),
-    "nvidia": VendorRuntime(
-        "CUDA_VISIBLE_DEVICES",
-        lambda n: f"/dev/nvidia{n}",
-        ("/dev/nvidiactl", "/dev/nvidia-uvm"),
-        ("--device", "cuda"),
-    ),
-}
-
-
-def allocation_for(device_type: str, indexes: Sequence[int]) -> AllocateResult:
-    """The AllocateResult of `indexes` (device indexes of one vendor); raises PluginError."""
-    runtime = VENDOR_RUNTIMES.get(device_type)
-    if runtime is None:
-        known = ", ".join(sorted(VENDOR_RUNTIMES))
-        raise PluginError(f"unknown device type {device_type!r}; expected one of {known}")
+def allocation_for(
+    device_type: str, indexes: Sequence[int], node_ids: Mapping[int, int] | None = None
+) -> AllocateResult:
+    """The AllocateResult of `indexes` (device indexes of one vendor; `node_ids` maps an index to the id
+    its device node is named by, when the vendor's tool says it differs); raises PluginError."""
+    try:
+        runtime = vendor(device_type).runtime
+    except ValueError as e:
+        raise PluginError(str(e)) from None
     if not indexes:
         raise PluginError(f"allocate: no {device_type} device given; name at least one")
     ordered = sorted(set(indexes))
     return AllocateResult(
         envs={runtime.visible_env: ",".join(str(i) for i in ordered)},
-        device_nodes=(*(runtime.per_device(i) for i in ordered), *runtime.shared_nodes),
-        engine_args=runtime.engine_args,
+        device_nodes=runtime.device_nodes(node_ids or {}, ordered),
+        engine_args=runtime.sglang_args,
     )
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -31,12 +30,12 @@ from kunlun_common.api import plugin_pb2, plugin_pb2_grpc
 from kunlun_common.errors import ConfigError
 from kunlun_common.logs import setup_logging
 from kunlun_common.retry import backoff_delay
-from node_agent.devices import simulated_env
 from node_agent.plugins.config import load_config
 from node_agent.plugins.contract import PluginError
 from node_agent.plugins.remote import AGENT_SOCKET, remove_stale_socket, unix_target
 from node_agent.plugins.vendor_plugin import VendorPlugin
-from node_agent.plugins.vendors import ADAPTERS
+from node_agent.simulation import tool_env
+from node_agent.vendors import ADAPTERS
 
 log = structlog.get_logger("plugin-host")
 VERSION = "0.1.0"
@@ -167,7 +166,7 @@ def build_plugin(args: argparse.Namespace) -> tuple[VendorPlugin, Path]:
     state_dir = Path(args.state_dir) if args.state_dir else socket_dir.parent
     if not any(d.device_type == args.device_type for d in config.devices):
         raise ConfigError(f"{args.config}: no {args.device_type} device is declared; nothing to serve")
-    env = simulated_env(config, state_dir) if config.simulated else dict(os.environ)
+    env = tool_env(config, state_dir)
     plugin = VendorPlugin(config, args.device_type, env, name=args.name or f"kunlun-{args.device_type}")
     return plugin, socket_dir
 

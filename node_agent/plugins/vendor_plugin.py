@@ -1,7 +1,7 @@
 """The in-process device plugin of one vendor: declarations + the vendor's tool -> devices with status.
 
 One `VendorPlugin` serves every declared device of one `device_type`. Each sample runs the vendor
-tool through its adapter (`node_agent.plugins.vendors`; the tool blocks, so async callers run it in a
+tool through its adapter (`node_agent.vendors`; the tool blocks, so async callers run it in a
 thread), cross-checks every declaration against what the tool reports and sets each device's status:
 
 | condition                                              | status    | reason                              |
@@ -10,7 +10,12 @@ thread), cross-checks every declaration against what the tool reports and sets e
 | the tool is missing, fails, times out, prints garbage   | Error     | the tool, its command line, the fix |
 | declared but not reported / other model / other memory | Error     | `cross_check`'s reasons             |
 | the tool reports health Critical                        | Unhealthy | `<tool> reports health Critical`    |
-| otherwise (health OK, Warning, Unknown)                 | Ready     | empty, or the Warning/Unknown note  |
+| otherwise (health OK, Warning, Unknown)                 | Ready     | empty, or the Warning/Unknown note, |
+|                                                         |           | and "memory unavailable, declared   |
+|                                                         |           | size accepted unchecked" when the   |
+|                                                         |           | tool prints memory as [N/A]         |
+
+Reasons name the tool that actually ran (Hygon falls back to rocm-smi when hy-smi is missing).
 
 Statuses move both ways: a chip that comes back, or whose health returns to OK, turns Ready again at
 the next sample. Telemetry (utilization, memory used, temperature, power, health) is set on every
@@ -44,8 +49,8 @@ from node_agent.plugins.contract import (
     status_name,
     total_distance,
 )
-from node_agent.plugins.vendors import ADAPTERS, adapter_for
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors import ADAPTERS, adapter_for
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     ObservedDevice,
@@ -99,6 +104,11 @@ class ToolSample:
     duration_s: float
     sampled_at_ms: int
 
+    @property
+    def tool(self) -> str:
+        """The tool that actually ran (Hygon: rocm-smi when hy-smi is not installed)."""
+        return self.command[0]
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -145,7 +155,8 @@ class VendorPlugin(DevicePlugin):
 
     @property
     def tool(self) -> str:
-        return self.adapter.tool
+        """The tool of the last sample (the one that actually ran), else the vendor's main tool."""
+        return self.last_sample.tool if self.last_sample is not None else self.adapter.tool
 
     @property
     def tool_error(self) -> str | None:
@@ -181,16 +192,19 @@ class VendorPlugin(DevicePlugin):
             return Verdict(ERROR, "; ".join(str(p) for p in d.errors), None)
         if sample.error is not None:
             return Verdict(ERROR, str(sample.error), None)
+        tool = sample.tool
         reasons = cross_check(
-            d.device_type, self.tool, d.device_id, d.model, d.hbm_memory_mb, list(sample.observed)
+            d.device_type, tool, d.device_id, d.model, d.hbm_memory_mb, list(sample.observed)
         )
         if reasons:
             return Verdict(ERROR, "; ".join(reasons), None)
         obs = next(o for o in sample.observed if o.index == d.device_id)
         if obs.health == HEALTH_CRITICAL:
-            return Verdict(UNHEALTHY, f"{self.tool} reports health {HEALTH_CRITICAL}", obs)
-        note = "" if obs.health == HEALTH_OK else f"{self.tool} reports health {obs.health}"
-        return Verdict(READY, note, obs)
+            return Verdict(UNHEALTHY, f"{tool} reports health {HEALTH_CRITICAL}", obs)
+        notes = [] if obs.health == HEALTH_OK else [f"{tool} reports health {obs.health}"]
+        if obs.memory_total_mb is None:
+            notes.append(memory_unchecked(tool, d.hbm_memory_mb))
+        return Verdict(READY, "; ".join(notes), obs)
 
     def apply(self, sample: ToolSample) -> bool:
         """Update every device from `sample`; True when a status, reason or telemetry value changed."""
@@ -283,7 +297,18 @@ class VendorPlugin(DevicePlugin):
 
     async def allocate(self, devices: Sequence[str]) -> AllocateResult:
         chosen = resolve_names(self.name, self._devices, devices)
-        return allocation_for(self.device_type, [d.index for d in chosen])
+        node_ids = {  # where the tool says a device's node has another id (Ascend: its physical id)
+            v.observed.index: v.observed.node_id
+            for v in self.verdicts.values()
+            if v.observed is not None and v.observed.node_id is not None
+        }
+        return allocation_for(self.device_type, [d.index for d in chosen], node_ids)
+
+
+def memory_unchecked(tool: str, declared_mb: int) -> str:
+    """The note of a device whose tool prints its memory as unavailable ([N/A]: NVIDIA GB10 and other
+    unified-memory parts): the declaration cannot be checked, so say that it was accepted as declared."""
+    return f"{tool} reports memory as unavailable; the declared {declared_mb} MB is accepted unchecked"
 
 
 def _error_output(error: ToolError) -> str:

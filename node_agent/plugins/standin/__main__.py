@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from node_agent.plugins.standin import cnmon, hy_smi, npu_smi, nvidia_smi
 from node_agent.plugins.standin.state import STATE_ENV, SimChip, StateError, read_state
+from node_agent.vendors import VENDORS
 
 ToolMain = Callable[[Sequence[str], "list[SimChip] | None", TextIO, TextIO], int]
 
-TOOLS: dict[str, ToolMain] = {
-    "npu-smi": npu_smi.main,
-    "cnmon": cnmon.main,
-    "hy-smi": hy_smi.main_hy_smi,
-    "rocm-smi": hy_smi.main_rocm_smi,
-    "nvidia-smi": nvidia_smi.main,
-}
+
+def _tools() -> dict[str, ToolMain]:
+    """Every vendor's stand-in tools: `TOOLS` of the module its record names (`Vendor.standin`)."""
+    out: dict[str, ToolMain] = {}
+    for v in VENDORS.values():
+        module = importlib.import_module(f"node_agent.plugins.standin.{v.standin.module}")
+        table: dict[str, ToolMain] = module.TOOLS
+        for tool in v.standin.tools:
+            out[tool] = table[tool]
+    return out
+
+
+TOOLS = _tools()
 
 
 def load_chips(err: TextIO) -> list[SimChip] | None:

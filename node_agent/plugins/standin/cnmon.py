@@ -74,3 +74,6 @@ def main(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: Tex
     target = Path(os.getcwd()) / JSON_FILE
     target.write_text(json.dumps(payload, indent=4) + "\n", encoding="utf-8")
     return 0
+
+
+TOOLS = {"cnmon": main}

@@ -100,3 +100,6 @@ def main_hy_smi(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, e
 
 def main_rocm_smi(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: TextIO) -> int:
     return _main("rocm-smi", "DCU use (%)", argv, chips, out, err)
+
+
+TOOLS = {"hy-smi": main_hy_smi, "rocm-smi": main_rocm_smi}

@@ -10,7 +10,8 @@ Memory goes to HBM-Usage on 910 layouts (Memory-Usage then shows 0 / 0) and to M
 layouts. Temperature and AICore(%) print as integers, power with one decimal. Health prints as OK,
 Warning or Critical. A process table with "No running processes found" lines follows, as on real machines.
 
-Only `npu-smi info` is simulated; anything else is refused with exit code 1.
+`npu-smi info -m` prints the chip mapping (NPU ID, Chip ID, Chip Logic ID = the chip's index, Chip Name).
+Only these two are simulated; anything else is refused with exit code 1.
 """
 
 from __future__ import annotations
@@ -112,11 +113,25 @@ def render_info(chips: list[SimChip]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_mapping(chips: list[SimChip]) -> str:
+    """`npu-smi info -m`: NPU ID, Chip ID, Chip Logic ID (the chip's index) and Chip Name per chip."""
+    ascend = present_chips(chips, "ascend")
+    layout = layout_for(ascend[0].model) if ascend else layout_for("")
+    lines = [f"{'NPU ID':<31}{'Chip ID':<31}{'Chip Logic ID':<31}Chip Name"]
+    for chip in ascend:
+        npu_id, chip_id = divmod(chip.index, layout.chips_per_npu)
+        lines.append(f"{npu_id:<31}{chip_id:<31}{chip.index:<31}{chip.model}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: TextIO) -> int:
+    if list(argv) == ["info", "-m"] and chips is not None:
+        out.write(render_mapping(chips))
+        return 0
     if list(argv) != ["info"]:
         out.write(
             f"Command error: `npu-smi {' '.join(argv)}` is not supported by the Kunlun npu-smi stand-in "
-            "(only `npu-smi info` is simulated).\n"
+            "(only `npu-smi info` and `npu-smi info -m` are simulated).\n"
         )
         return 1
     if chips is None:
@@ -124,3 +139,6 @@ def main(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: Tex
         return 1
     out.write(render_info(chips))
     return 0
+
+
+TOOLS = {"npu-smi": main}

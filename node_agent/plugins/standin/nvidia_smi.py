@@ -284,3 +284,6 @@ def main(argv: Sequence[str], chips: list[SimChip] | None, out: TextIO, err: Tex
     else:
         out.write(summary(gpus))
     return 0
+
+
+TOOLS = {"nvidia-smi": main}

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from node_agent.vendors import VENDORS
+
 STATE_VERSION = 1
 STATE_ENV = "KUNLUN_SIM_STATE"
 HEALTH_VALUES = ("OK", "Warning", "Critical")
-DEVICE_TYPES = ("ascend", "cambricon", "hygon", "nvidia")
-TOOLS = ("npu-smi", "cnmon", "hy-smi", "rocm-smi", "nvidia-smi")
+DEVICE_TYPES = tuple(VENDORS)
+TOOLS = tuple(tool for v in VENDORS.values() for tool in v.standin.tools)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -186,7 +188,7 @@ def install_shims(
     python_executable: str | os.PathLike[str],
     state_path: str | os.PathLike[str],
 ) -> dict[str, str]:
-    """Write executable stand-ins named npu-smi, cnmon, hy-smi, rocm-smi and nvidia-smi into bin_dir.
+    """Write an executable stand-in for every vendor tool (`Vendor.standin.tools`) into bin_dir.
 
     Each runs `python -m node_agent.plugins.standin <tool>` with KUNLUN_SIM_STATE baked in. Returns the
     environment additions: PATH with bin_dir first (then the current PATH) and KUNLUN_SIM_STATE.

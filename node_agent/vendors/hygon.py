@@ -29,7 +29,7 @@ import re
 import shutil
 from typing import Any
 
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     ObservedDevice,
@@ -40,6 +40,7 @@ from node_agent.plugins.vendors.base import (
     parse_float,
     parse_int,
 )
+from node_agent.vendors.record import StandIn, Vendor, VendorRuntime
 
 FLAGS = ["--showproductname", "--showmeminfo", "vram", "--showuse", "--showpower", "--showtemp", "--showbus"]
 _CARD_RE = re.compile(r"^card(\d+)$", re.IGNORECASE)
@@ -139,3 +140,23 @@ class HygonAdapter(VendorAdapter):
             return parse_smi_json(result.stdout)
         except SmiFormatError as exc:
             raise self._unparsable(command, str(exc), result.stdout) from exc
+
+
+VENDOR = Vendor(
+    type_name="hygon",
+    aliases=("dcu",),
+    adapter=HygonAdapter,
+    runtime=VendorRuntime(
+        visible_env="HIP_VISIBLE_DEVICES",
+        # DCUs are driven through ROCm's KFD (/dev/kfd, shared) and one DRM render node per card, numbered
+        # from 128 in probe order (off by the number of other render nodes that enumerate first).
+        device_node=lambda n: f"/dev/dri/renderD{128 + n}",
+        shared_nodes=("/dev/kfd",),
+        # No --device: SGLang's AMD GPU guide (docs.sglang.io, hardware-platforms/amd_gpu) launches ROCm
+        # builds without it and SGLang detects the device itself (ROCm/DTK PyTorch reports HIP devices as
+        # torch's "cuda"); DTK builds of SGLang follow the ROCm path.
+        sglang_args=(),
+        cache_env=(("MIOPEN_USER_DB_PATH", "miopen"), ("MIOPEN_CUSTOM_CACHE_DIR", "miopen")),
+    ),
+    standin=StandIn(module="hy_smi", tools=("hy-smi", "rocm-smi")),
+)

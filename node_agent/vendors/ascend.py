@@ -1,4 +1,4 @@
-"""Huawei Ascend: parse `npu-smi info`.
+"""Huawei Ascend: parse `npu-smi info` and `npu-smi info -m`.
 
 The table prints every chip as two rows, after a two-row header:
 
@@ -14,9 +14,20 @@ comes a process table (`| NPU Chip | Process id | Process name | Process memory(
 `No running processes found in NPU n` lines), which is ignored; so are lines outside the table, such as
 the `DrvMngGetConsoleLogLevel failed` warnings npu-smi prints in containers.
 
-Index rule (`ObservedDevice.index`), applied to the whole table:
+Ids. Huawei documents three ids per chip: the logical id (ASCEND_RT_VISIBLE_DEVICES takes logical
+ids, CANN environment variable reference), the physical id (the N of /dev/davinciN: "ls /dev/davinci*
+gives the physical ids", DCMI reference of dcmi_get_device_logicid_from_phyid) and the NPU id / chip id
+pair that `npu-smi info` prints. `npu-smi info -m` maps each (NPU ID, Chip ID) to its "Chip Logic ID"
+("-" for the board's Mcu, which is not a compute chip). Huawei's paired samples for one Atlas 800 model
+3000 print Device 3..6 in `npu-smi info` and Chip Logic ID 0..3 in `npu-smi info -m`, so the Device (or
+Phy-ID) column is the physical id, not the logical one. The adapter therefore runs both commands:
+- `ObservedDevice.index` is the Chip Logic ID of the chip's (NPU, Chip) pair;
+- `ObservedDevice.node_id` is the Device / Phy-ID column when the table has one and it differs from the
+  logical id (the device node is /dev/davinci<node_id>), else None (the node is /dev/davinci<index>).
+When `npu-smi info -m` cannot be run or does not list every chip (an old tool), the table alone decides,
+applied to the whole table:
 1. When the table has a Device or Phy-ID column and every chip has a distinct number there, the index is
-   that number: it is the chip's logical device id, the N of /dev/davinciN and of ASCEND_RT_VISIBLE_DEVICES.
+   that number (physical = logical outside containers, which is where the agent runs).
 2. Otherwise, when every NPU id has exactly one chip, the index is the NPU id.
 3. Otherwise the chips are numbered 0, 1, 2... in the order the table lists them (logical chip order).
 
@@ -30,19 +41,27 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from node_agent.plugins.vendors.base import (
+import structlog
+
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     HEALTH_UNKNOWN,
     HEALTH_WARNING,
     ObservedDevice,
+    ToolFailed,
     VendorAdapter,
+    format_command,
     is_unavailable,
     parse_float,
     parse_int,
 )
+from node_agent.vendors.record import StandIn, Vendor, VendorRuntime
+
+log = structlog.get_logger()
 
 _HEALTH = {"ok": HEALTH_OK, "warning": HEALTH_WARNING, "alarm": HEALTH_CRITICAL, "critical": HEALTH_CRITICAL}
 _BUS_ID_RE = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
@@ -82,8 +101,11 @@ def _second_id_column(header_row2: list[str]) -> str | None:
     return words[1] if len(words) > 1 else None
 
 
-def parse_npu_smi_info(text: str) -> list[ObservedDevice]:
-    """Parse the output of `npu-smi info` (see the module docstring for the rules)."""
+def parse_npu_smi_info(
+    text: str, logic_ids: Mapping[tuple[int, int], int] | None = None
+) -> list[ObservedDevice]:
+    """Parse the output of `npu-smi info`, with the (NPU ID, Chip ID) -> Chip Logic ID map of
+    `npu-smi info -m` when there is one (see the module docstring for the rules)."""
     chips: list[_Chip] = []
     second_column: str | None = None
     has_hbm = False
@@ -132,7 +154,41 @@ def parse_npu_smi_info(text: str) -> list[ObservedDevice]:
         )
         chips.append(current)
     chips = [chip for chip in chips if chip.chip_id is not None]
-    return [_observed(chip, index, has_hbm) for chip, index in zip(chips, _indexes(chips), strict=True)]
+    logical = _logical_ids(chips, logic_ids or {})
+    if logical is None:
+        return [_observed(chip, index, has_hbm) for chip, index in zip(chips, _indexes(chips), strict=True)]
+    return [
+        _observed(chip, index, has_hbm, chip.second_id if chip.second_id not in (None, index) else None)
+        for chip, index in zip(chips, logical, strict=True)
+    ]
+
+
+def _logical_ids(chips: list[_Chip], logic_ids: Mapping[tuple[int, int], int]) -> list[int] | None:
+    """The Chip Logic ID of every chip, or None when `npu-smi info -m` did not give one for each."""
+    found = [logic_ids.get((chip.npu_id, chip.chip_id if chip.chip_id is not None else -1)) for chip in chips]
+    if not found or any(f is None for f in found) or len(set(found)) != len(found):
+        return None
+    return [f for f in found if f is not None]
+
+
+_MAPPING_HEADER_RE = re.compile(r"NPU\s+ID\s+Chip\s+ID\s+Chip\s+Logic\s+ID", re.IGNORECASE)
+
+
+def parse_npu_smi_mapping(text: str) -> dict[tuple[int, int], int]:
+    """Parse `npu-smi info -m`: (NPU ID, Chip ID) -> Chip Logic ID; rows without a logic id ("-": the
+    Mcu) and lines that are not table rows are skipped. Empty when the header is missing."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if _MAPPING_HEADER_RE.search(line)), None)
+    if start is None:
+        return {}
+    out: dict[tuple[int, int], int] = {}
+    for line in lines[start + 1 :]:
+        words = line.split()
+        if len(words) < 3 or not (words[0].isdigit() and words[1].isdigit()):
+            continue
+        if words[2].isdigit():
+            out[(int(words[0]), int(words[1]))] = int(words[2])
+    return out
 
 
 def _fill_chip_row(chip: _Chip, cells: list[str], second_column: str | None) -> None:
@@ -161,7 +217,7 @@ def _indexes(chips: list[_Chip]) -> list[int]:
     return list(range(len(chips)))
 
 
-def _observed(chip: _Chip, index: int, has_hbm: bool) -> ObservedDevice:
+def _observed(chip: _Chip, index: int, has_hbm: bool, node_id: int | None = None) -> ObservedDevice:
     used, total = chip.memory if chip.memory is not None else (None, None)
     if has_hbm and chip.hbm is not None and chip.hbm[1]:
         used, total = chip.hbm
@@ -175,6 +231,7 @@ def _observed(chip: _Chip, index: int, has_hbm: bool) -> ObservedDevice:
         power_w=chip.power_w,
         health=chip.health,
         bus_id=chip.bus_id,
+        node_id=node_id,
     )
 
 
@@ -185,11 +242,35 @@ class AscendAdapter(VendorAdapter):
     def command(self) -> list[str]:
         return [self.tool, "info"]
 
+    def mapping_command(self) -> list[str]:
+        return [self.tool, "info", "-m"]
+
     def discover(self) -> list[ObservedDevice]:
         self._start()
         command = self.command()
         result = self._run(command)
-        devices = parse_npu_smi_info(result.stdout)
-        if not devices and "Health" not in result.stdout:
+        if "Health" not in result.stdout:
             raise self._unparsable(command, "no NPU table found", result.stdout)
-        return devices
+        try:
+            mapping = parse_npu_smi_mapping(self._run(self.mapping_command()).stdout)
+        except ToolFailed as exc:  # an old npu-smi without -m: the table alone decides (docstring)
+            log.warning(
+                "npu_smi.no_logic_ids", command=format_command(self.mapping_command()), error=str(exc)
+            )
+            mapping = {}
+        return parse_npu_smi_info(result.stdout, mapping)
+
+
+VENDOR = Vendor(
+    type_name="ascend",
+    aliases=("huawei", "npu"),
+    adapter=AscendAdapter,
+    runtime=VendorRuntime(
+        visible_env="ASCEND_RT_VISIBLE_DEVICES",
+        device_node=lambda n: f"/dev/davinci{n}",
+        shared_nodes=("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"),
+        # SGLang's Ascend guide: --device npu and the Ascend attention backend.
+        sglang_args=("--device", "npu", "--attention-backend", "ascend"),
+    ),
+    standin=StandIn(module="npu_smi", tools=("npu-smi",)),
+)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     HEALTH_UNKNOWN,
@@ -42,6 +42,7 @@ from node_agent.plugins.vendors.base import (
     parse_float,
     parse_int,
 )
+from node_agent.vendors.record import StandIn, Vendor, VendorRuntime
 
 log = structlog.get_logger()
 
@@ -238,3 +239,19 @@ class NvidiaAdapter(VendorAdapter):
             raise self._unparsable(command, "no GPU line in the CSV", result.stdout)
         health = self._run(self.health_command(), ok_returncodes=(0, RC_INFOROM_CORRUPTED))
         return combine(rows, parse_nvsmi_log(health.stdout), inforom)
+
+
+VENDOR = Vendor(
+    type_name="nvidia",
+    aliases=("gpu", "cuda"),
+    adapter=NvidiaAdapter,
+    runtime=VendorRuntime(
+        visible_env="CUDA_VISIBLE_DEVICES",
+        device_node=lambda n: f"/dev/nvidia{n}",
+        shared_nodes=("/dev/nvidiactl", "/dev/nvidia-uvm"),
+        # No --device: CUDA is SGLang's default device (its quick start launches without the flag).
+        sglang_args=(),
+        cache_env=(("CUDA_CACHE_PATH", "cuda"),),
+    ),
+    standin=StandIn(module="nvidia_smi", tools=("nvidia-smi",)),
+)

@@ -64,6 +64,9 @@ class ObservedDevice:
     power_w: float | None
     health: str
     bus_id: str | None = None
+    node_id: int | None = None
+    """The id the device's node is named by when it differs from `index` (Ascend: the physical id of
+    /dev/davinciN, while `index` is the logical id of ASCEND_RT_VISIBLE_DEVICES); None: the index."""
 
 
 class ToolError(TemporaryError):

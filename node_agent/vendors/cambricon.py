@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from node_agent.plugins.vendors.base import (
+from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
     HEALTH_WARNING,
@@ -41,6 +41,7 @@ from node_agent.plugins.vendors.base import (
     parse_float,
     parse_int,
 )
+from node_agent.vendors.record import StandIn, Vendor, VendorRuntime
 
 JSON_FILE = "cnmon_info.json"
 
@@ -142,3 +143,18 @@ class CambriconAdapter(VendorAdapter):
             return parse_cnmon_json(text)
         except CnmonFormatError as exc:
             raise self._unparsable(command, f"{JSON_FILE}: {exc}", text) from exc
+
+
+VENDOR = Vendor(
+    type_name="cambricon",
+    aliases=("mlu",),
+    adapter=CambriconAdapter,
+    runtime=VendorRuntime(
+        visible_env="MLU_VISIBLE_DEVICES",
+        device_node=lambda n: f"/dev/cambricon_dev{n}",
+        shared_nodes=("/dev/cambricon_ctl",),
+        # Upstream SGLang has no MLU device; Cambricon's SGLang build selects the MLU itself.
+        sglang_args=(),
+    ),
+    standin=StandIn(module="cnmon", tools=("cnmon",)),
+)
