@@ -1,5 +1,5 @@
 # Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
-.PHONY: install demo down test lint typecheck proto bench clean chaos soak
+.PHONY: install demo down test lint typecheck proto bench bench-check clean chaos soak
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -38,6 +38,10 @@ proto: install
 bench: install
 	$(PY) -m bench.failover
 	$(PY) -m bench.heartbeats
+
+# short profiles of every benchmark vs bench/baseline.json, normalised by same-run references (not in CI)
+bench-check: install
+	$(PY) -m bench.check
 
 clean: down
 	rm -rf .kunlun

@@ -56,6 +56,24 @@ async def run(cluster: LocalCluster, trials: int) -> dict[str, list[float]]:
     return out
 
 
+def measure(
+    trials: int, ttl: int, renew_deadline: float = 3.0, retry_period: float = 1.0
+) -> dict[str, list[float]]:
+    """Failover times per mode, on a temporary cluster (also used by bench.check)."""
+    with temp_cluster(
+        election_ttl_s=ttl, renew_deadline_s=renew_deadline, retry_period_s=retry_period
+    ) as cluster:
+        print(
+            f"leader failover, {trials} trials, ttl={ttl}s renew_deadline={renew_deadline}s retry_period={retry_period}s"
+        )
+        res = asyncio.run(run(cluster, trials))
+    for mode, vals in res.items():
+        print(
+            f"{mode:>9}: p50 {pct(vals, 50):.2f}s  p99 {pct(vals, 99):.2f}s  max {max(vals):.2f}s  (n={len(vals)}, ttl {ttl}s)"
+        )
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=20)
@@ -63,17 +81,7 @@ def main() -> None:
     ap.add_argument("--renew-deadline", type=float, default=3.0)
     ap.add_argument("--retry-period", type=float, default=1.0)
     a = ap.parse_args()
-    with temp_cluster(
-        election_ttl_s=a.ttl, renew_deadline_s=a.renew_deadline, retry_period_s=a.retry_period
-    ) as cluster:
-        print(
-            f"leader failover, {a.trials} trials, ttl={a.ttl}s renew_deadline={a.renew_deadline}s retry_period={a.retry_period}s"
-        )
-        res = asyncio.run(run(cluster, a.trials))
-    for mode, vals in res.items():
-        print(
-            f"{mode:>9}: p50 {pct(vals, 50):.2f}s  p99 {pct(vals, 99):.2f}s  max {max(vals):.2f}s  (n={len(vals)}, ttl {a.ttl}s)"
-        )
+    measure(a.trials, a.ttl, a.renew_deadline, a.retry_period)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
-"""Heartbeat capacity: N simulated agents (8 devices each, all in this process) against 3 replicas.
+"""Heartbeat capacity: N simulated agents (8 devices each) against 3 replicas.
 
 Each simulated agent holds its own mTLS stream (its own agent certificate) and sends a heartbeat
-with 8 device samples every second, like kunlun-agent. Measured over a window once all are
-registered: CPU of the replicas and of etcd, etcd writes/s (revision growth: lease refreshes do not
-count as writes), heartbeat round-trip p50/p99 and missed heartbeats (no ack within 3 s).
-Usage: python -m bench.heartbeats [--nodes 1000] [--window 30]
+with 8 device samples every second, like kunlun-agent. The agents run in several load-generator
+processes (`--procs`, default: one per 250 agents, at least 2) so that the generator is not the
+bottleneck. Measured over a window once all are registered: CPU of the replicas and of etcd, etcd
+writes/s (revision growth: lease refreshes do not count as writes), heartbeat round-trip p50/p99,
+missed heartbeats (no ack within 3 s) and the registration time of all agents.
+Usage: python -m bench.heartbeats [--nodes 1000] [--window 30] [--procs 4] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import signal
+import sys
 import time
+from typing import Any
 
 import grpc
 
@@ -24,6 +30,7 @@ from kunlun_common.pki import issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
+MISSED_AFTER_S = 3.0
 
 
 class SimAgent:
@@ -108,48 +115,138 @@ class SimAgent:
                 self.rtts.append(time.monotonic() - t)
 
 
-async def measure(cluster: LocalCluster, n: int, window: float) -> None:
-    eps = cluster.endpoints
-    print(f"issuing {n} agent certificates ...", flush=True)
+async def _line(reader: asyncio.StreamReader | None = None) -> str:
+    if reader is not None:
+        return (await reader.readline()).decode().strip()
+    line: str = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return line.strip()
+
+
+async def worker(cert_dir: str, endpoints: list[str], first: int, count: int) -> None:
+    """A load-generator process: agents `first`..`first+count-1`, driven over stdin/stdout."""
+    names = [f"sim-{i:05d}" for i in range(first, first + count)]
     creds = []
-    for i in range(n):
-        issue(cluster.cert_dir, "agent", f"sim-{i:05d}")
-        creds.append(channel_credentials(load_tls(paths_for(cluster.cert_dir, "agent", f"sim-{i:05d}"))))
-    agents = [SimAgent(f"sim-{i:05d}", eps[i % len(eps)], creds[i]) for i in range(n)]
-    tasks = [asyncio.create_task(a.run()) for a in agents]
+    for n in names:
+        issue(cert_dir, "agent", n)
+        creds.append(channel_credentials(load_tls(paths_for(cert_dir, "agent", n))))
+    print("ready", flush=True)
+    await _line()  # "go": register now
+    agents = [
+        SimAgent(n, endpoints[(first + j) % len(endpoints)], c)
+        for j, (n, c) in enumerate(zip(names, creds, strict=True))
+    ]
     t0 = time.monotonic()
-    await asyncio.wait_for(asyncio.gather(*(a.registered.wait() for a in agents)), 600)
-    print(f"{n} agents registered in {time.monotonic() - t0:.1f}s; warming up 5s ...", flush=True)
-    await asyncio.sleep(5)
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
-    store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
-    rev0 = await store.revision()
-    pids = {name: proc.pid for name, proc in cluster.replicas.items()}
-    etcd_pids = {m.name: m.proc.pid for m in cluster.etcd.members}
-    cpu0 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
+    tasks = [asyncio.create_task(a.run()) for a in agents]
+    await asyncio.gather(*(a.registered.wait() for a in agents))
+    print(f"registered {time.monotonic() - t0:.3f}", flush=True)
+    await _line()  # "start"
     for a in agents:
         a.measuring = True
-    start = time.monotonic()
-    await asyncio.sleep(window)
+    await _line()  # "stop"
     for a in agents:
         a.measuring = False
-    elapsed = time.monotonic() - start
-    rev1 = await store.revision()
-    cpu1 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
-    await store.close()
-    rtts = [r for a in agents for r in a.rtts]
-    sent = sum(a.sent_in_window for a in agents)
     now = time.monotonic()
-    missed = sum(1 for a in agents for t in a.sent.values() if now - t > 3.0)
+    result = {
+        "rtts": [r for a in agents for r in a.rtts],
+        "sent": sum(a.sent_in_window for a in agents),
+        "missed": sum(1 for a in agents for t in a.sent.values() if now - t > MISSED_AFTER_S),
+    }
+    print("result " + json.dumps(result), flush=True)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def measure(
+    cluster: LocalCluster, n: int, window: float, procs: int, register_within_s: float = 300.0
+) -> dict[str, Any]:
+    eps = cluster.endpoints
+    procs = max(1, min(procs, n))
+    print(f"starting {procs} load-generator processes for {n} agents ...", flush=True)
+    workers = []
+    per = -(-n // procs)
+    for w in range(procs):
+        first, count = w * per, min(per, n - w * per)
+        if count <= 0:
+            break
+        workers.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "bench.heartbeats",
+                "--worker",
+                str(cluster.cert_dir),
+                ",".join(eps),
+                str(first),
+                str(count),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                limit=1 << 30,
+            )
+        )
+
+    async def tell(word: str) -> None:
+        for p in workers:
+            assert p.stdin is not None
+            p.stdin.write(word.encode() + b"\n")
+            await p.stdin.drain()
+
+    async def hear(prefix: str) -> list[str]:
+        out = []
+        for p in workers:
+            assert p.stdout is not None
+            while True:
+                line = await _line(p.stdout)
+                if not line:
+                    raise RuntimeError("a load-generator process ended early")
+                if line.startswith(prefix):
+                    out.append(line[len(prefix) :].strip())
+                    break
+        return out
+
+    try:
+        await asyncio.wait_for(hear("ready"), 600)
+        t0 = time.monotonic()
+        await tell("go")
+        try:
+            await asyncio.wait_for(hear("registered"), register_within_s)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the {n} agents did not all register within {register_within_s:.0f}s"
+            ) from None
+        registration_s = time.monotonic() - t0
+        print(f"{n} agents registered in {registration_s:.1f}s; warming up 5s ...", flush=True)
+        await asyncio.sleep(5)
+        p = paths_for(cluster.cert_dir, "replica", "replica-1")
+        store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
+        rev0 = await store.revision()
+        pids = {name: proc.pid for name, proc in cluster.replicas.items()}
+        etcd_pids = {m.name: m.proc.pid for m in cluster.etcd.members}
+        cpu0 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
+        await tell("start")
+        start = time.monotonic()
+        await asyncio.sleep(window)
+        await tell("stop")
+        elapsed = time.monotonic() - start
+        rev1 = await store.revision()
+        cpu1 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
+        await store.close()
+        results = [json.loads(r) for r in await asyncio.wait_for(hear("result"), 120)]
+    finally:
+        for proc in workers:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+    rtts = [r for res in results for r in res["rtts"]]
+    sent = sum(res["sent"] for res in results)
+    missed = sum(res["missed"] for res in results)
     rcpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in pids}
     ecpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in etcd_pids}
     print(f"\nheartbeat capacity: {n} agents x 8 devices, 1 heartbeat/s each, window {elapsed:.0f}s")
+    print(f"  registration of all agents: {registration_s:.1f} s  ({len(workers)} load-generator processes)")
     print(f"  heartbeats sent {sent} ({sent / elapsed:.0f}/s), acked in window {len(rtts)}")
     print(f"  heartbeat round trip p50 {pct(rtts, 50) * 1000:.1f} ms  p99 {pct(rtts, 99) * 1000:.1f} ms")
-    print(f"  missed heartbeats (no ack within 3 s): {missed}")
+    print(f"  missed heartbeats (no ack within {MISSED_AFTER_S:.0f} s): {missed}")
     print(f"  etcd writes/s: {(rev1 - rev0) / elapsed:.1f}  (vs {sent / elapsed:.0f} heartbeats/s)")
     print(
         "  replica CPU %: "
@@ -161,15 +258,47 @@ async def measure(cluster: LocalCluster, n: int, window: float) -> None:
         + ", ".join(f"{k} {v:.0f}" for k, v in ecpu.items())
         + f"  (total {sum(ecpu.values()):.0f})"
     )
+    return {
+        "agents": n,
+        "window_s": elapsed,
+        "registration_s": registration_s,
+        "sent": sent,
+        "acked": len(rtts),
+        "missed": missed,
+        "p50_ms": pct(rtts, 50) * 1000,
+        "p99_ms": pct(rtts, 99) * 1000,
+        "replica_cpu_pct": sum(rcpu.values()),
+        "etcd_cpu_pct": sum(ecpu.values()),
+        "etcd_writes_per_s": (rev1 - rev0) / elapsed,
+    }
+
+
+def run(nodes: int, window: float, procs: int = 0, register_within_s: float = 300.0) -> dict[str, Any]:
+    """One measurement in its own temporary cluster (also used by bench.check)."""
+    # SIGTERM (e.g. from `timeout`) ends the run through the cleanup below, not around it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with temp_cluster(node_lease_ttl_s=10) as cluster:
+        procs = procs or max(2, -(-nodes // 250))
+        return asyncio.run(measure(cluster, nodes, window, procs, register_within_s))
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _, _, cert_dir, eps, first, count = sys.argv
+        asyncio.run(worker(cert_dir, eps.split(","), int(first), int(count)))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--window", type=float, default=30.0)
+    ap.add_argument(
+        "--procs", type=int, default=0, help="load-generator processes (default: 1 per 250 agents, >= 2)"
+    )
+    ap.add_argument("--register-within", type=float, default=300.0, help="seconds allowed for registration")
+    ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     a = ap.parse_args()
-    with temp_cluster(node_lease_ttl_s=10) as cluster:
-        asyncio.run(measure(cluster, a.nodes, a.window))
+    figures = run(a.nodes, a.window, a.procs, a.register_within)
+    if a.json:
+        print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
 
 
-def bench(nodes: int, queue: int, seed: int) -> None:
+def bench(nodes: int, queue: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     graph = build_graph(nodes, rng)
     pending = build_queue(queue, rng)
@@ -159,6 +159,7 @@ def bench(nodes: int, queue: int, seed: int) -> None:
         f"({len(place_lat) / (sum(place_lat) / 1000):.0f} placements/s of decision time)"
     )
     print(f"  schedule(max_placements={config.max_placements_per_commit}): {commit_s * 1000:8.1f} ms")
+    return {"decisions_per_s": decided / full, "commit_sized_ms": commit_s * 1000}
 
 
 def main() -> None:

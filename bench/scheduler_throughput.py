@@ -76,7 +76,7 @@ async def raw_cas_rate(store: EtcdStore, fence: Fence, n: int, in_flight: int, t
 
 
 async def scenario(store: EtcdStore, fence: Fence, nodes: int, workloads: int) -> dict[str, float]:
-    await store.delete(keys.ROOT + "nodes/", prefix=True)
+    await store.delete(keys.NODES, prefix=True)
     for p in (keys.ALIVE, keys.WORKLOADS, keys.WORKLOAD_NAMES, keys.INSTANCES, keys.ALLOC, keys.TELEMETRY):
         await store.delete(p, prefix=True)
     ops: list[PutOp] = []
@@ -147,7 +147,9 @@ async def scenario(store: EtcdStore, fence: Fence, nodes: int, workloads: int) -
 
 async def main_async(
     node_counts: list[int], workloads: int, endpoints: tuple[str, ...], cert_dir: Path
-) -> None:
+) -> dict[str, float]:
+    """Prints the figures; returns the raw CAS rates and, per node count, the placement rate."""
+    figures: dict[str, float] = {}
     p = paths_for(cert_dir, "replica", "replica-1")
     store = EtcdStore(StoreSettings(endpoints, str(p.ca), str(p.cert), str(p.key), request_timeout_s=10.0))
     lease = await store.lease_grant(60)
@@ -166,8 +168,10 @@ async def main_async(
         print(
             f"raw fenced CAS (1 placement per txn): {r1:.0f}/s one at a time, {r32:.0f}/s with 32 in flight"
         )
+        figures.update(cas_one=r1, cas_32=r32)
         for n in node_counts:
             res_ = await scenario(store, fence, n, workloads)
+            figures[f"placements_per_s_{n}"] = res_["rate"]
             print(
                 f"{n} nodes x 8 devices, {workloads} queued: {res_['placed']:.0f} placements committed in {res_['seconds']:.2f}s = "
                 f"{res_['rate']:.0f}/s ({res_['rate'] / r1:.1f}x the one-at-a-time CAS rate, {res_['rate'] / r32:.1f}x the "
@@ -178,13 +182,11 @@ async def main_async(
     finally:
         keeper.cancel()
         await store.close()
+    return figures
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", default="100,1000")
-    ap.add_argument("--workloads", type=int, default=10000)
-    a = ap.parse_args()
+def run(node_counts: list[int], workloads: int) -> dict[str, float]:
+    """One measurement on its own temporary etcd cluster (also used by bench.check)."""
     base = Path(tempfile.mkdtemp(prefix="kunlun-bench-", dir="/dev/shm"))
     try:
         init_cluster_certs(base / "certs", ClusterCerts())
@@ -194,15 +196,19 @@ def main() -> None:
             from tests.conftest import _etcd_ready
 
             wait_for(lambda: _etcd_ready(base / "certs", cluster.endpoints), 60, "etcd")
-            asyncio.run(
-                main_async(
-                    [int(x) for x in a.nodes.split(",")], a.workloads, cluster.endpoints, base / "certs"
-                )
-            )
+            return asyncio.run(main_async(node_counts, workloads, cluster.endpoints, base / "certs"))
         finally:
             cluster.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", default="100,1000")
+    ap.add_argument("--workloads", type=int, default=10000)
+    a = ap.parse_args()
+    run([int(x) for x in a.nodes.split(",")], a.workloads)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ ALLOC = ROOT + "alloc/"
 INSTANCE_STATUS = ROOT + "instance-status/"
 ROLLOUTS = ROOT + "rollouts/"
 GATEWAY_STATS = ROOT + "gateway-stats/"
+GATEWAY_KEYS = ROOT + "gateway-keys/"
+GATEWAY_POLICIES = ROOT + "gateway-policies/"
+GATEWAYS = ROOT + "gateways/"
 SCHEMA = 1
 
 
@@ -150,3 +153,15 @@ def rollout(wid: str) -> str:
 
 def gateway_stats(name: str) -> str:
     return GATEWAY_STATS + name
+
+
+def gateway_key(kid: str) -> str:
+    return GATEWAY_KEYS + kid
+
+
+def gateway_policy(workload_name: str) -> str:
+    return GATEWAY_POLICIES + workload_name
+
+
+def gateway(name: str) -> str:
+    return GATEWAYS + name

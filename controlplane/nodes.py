@@ -45,6 +45,9 @@ class NodeSession:
     snapshot_at: float = 0.0
     heartbeats: int = 0
     statuses: dict[str, agent_pb2.InstanceStatus] = field(default_factory=dict)
+    record_dirty: bool = False
+    snapshot_due: bool = False
+    writer: asyncio.Task[None] | None = None
 
 
 def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
@@ -178,15 +181,42 @@ class NodeSessions:
                 or abs(prev.temperature_c - s.telemetry.temperature_c) >= _BIG_TEMP_CHANGE
             ):
                 big = True
-        try:
-            if changed:
-                session.record.last_heartbeat_unix_ms = now_ms()
-                await self.store.put(keys.node(session.node), keys.encode_message(session.record))
-            if big or t - session.snapshot_at >= self.settings.telemetry_snapshot_s:
-                await self._write_snapshot(session)
-        except KunlunError as e:
-            log.warning("could not write node state", node=session.node, error=str(e))
+        if changed:
+            session.record_dirty = True
+        if big or t - session.snapshot_at >= self.settings.telemetry_snapshot_s:
+            session.snapshot_due = True
+            session.snapshot_at = t
+        if (session.record_dirty or session.snapshot_due) and (
+            session.writer is None or session.writer.done()
+        ):
+            # the ack never waits for etcd: the write runs beside the stream (one at a time per node)
+            session.writer = asyncio.create_task(
+                self._write_state(session), name=f"node-state-{session.node}"
+            )
         return t - session.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+
+    async def _write_state(self, session: NodeSession) -> None:
+        """Write what heartbeats changed (the node record, a telemetry snapshot) until nothing is left."""
+        while session.record_dirty or session.snapshot_due:
+            what = ""
+            try:
+                if session.record_dirty:
+                    what, session.record_dirty = "record", False
+                    session.record.last_heartbeat_unix_ms = now_ms()
+                    await self.store.put(keys.node(session.node), keys.encode_message(session.record))
+                if session.snapshot_due:
+                    what, session.snapshot_due = "snapshot", False
+                    await self._write_snapshot(session)
+            except KunlunError as e:
+                log.warning("could not write node state", node=session.node, error=str(e))
+                if what == "record":
+                    session.record_dirty = True  # the next heartbeat tries again
+                return
+
+    async def flush(self, session: NodeSession) -> None:
+        """Wait for the node's state writes in flight (tests, and a clean disconnect)."""
+        while session.writer is not None and not session.writer.done():
+            await asyncio.wait({session.writer})
 
     async def report(self, session: NodeSession, report: agent_pb2.InstanceReport) -> None:
         """Observed instance state from the agent: write what changed (status changes, not samples)."""
@@ -232,6 +262,9 @@ class NodeSessions:
         async with self._lock:
             if self.sessions.get(session.node) is session:
                 del self.sessions[session.node]
+        if session.writer is not None and not session.writer.done():
+            session.writer.cancel()
+            await asyncio.wait({session.writer})
         log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
 
     async def refresh_leases(self) -> None:

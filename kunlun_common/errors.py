@@ -21,3 +21,19 @@ class PermanentError(KunlunError):
 
 class ConfigError(PermanentError):
     """A configuration file or flag is invalid. The message names the file, the field and the fix."""
+
+
+class InvalidInput(PermanentError):
+    """A request field is invalid. The message names the field and the fix (gRPC INVALID_ARGUMENT)."""
+
+
+class NotFoundError(PermanentError):
+    """The named object does not exist. The message says where to look (gRPC NOT_FOUND)."""
+
+
+class PermissionRefused(PermanentError):
+    """The caller's identity may not do this (gRPC PERMISSION_DENIED)."""
+
+
+class ConcurrentChange(TemporaryError):
+    """Someone else changed the record between our read and our write; retry (gRPC ABORTED)."""

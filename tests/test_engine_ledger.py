@@ -212,3 +212,16 @@ def test_assignment_sets_older_than_the_applied_one_are_ignored(tmp_path: Path) 
     assert m.assign(_set(3, 8, "c")), "a new etcd cluster id (restored from backup) resets the mark"
     assert sorted(m.desired) == ["c"] and (m.cluster_id, m.revision) == (8, 3)
     assert not m.assign(_set(2, 8))
+
+
+def test_ledger_rpc_is_wrapped_and_listed() -> None:
+    from controlplane.api.auth import PERMISSIONS
+    from controlplane.api.ledger_service import LedgerService
+
+    (service,) = [
+        s for s in agent_pb2.DESCRIPTOR.services_by_name.values() if s.full_name == LedgerService.SERVICE
+    ]
+    for m in service.methods:
+        assert getattr(getattr(LedgerService, m.name), "__rpc_method__", None) == m.name
+        assert PERMISSIONS[f"/{service.full_name}/{m.name}"] == ("operator", "viewer", "replica")
+    assert PERMISSIONS["/kunlun.v1.NodeService/Engines"] == ("replica",)

@@ -303,29 +303,9 @@ class _FakeGateways(gateway_pb2_grpc.GatewayServiceServicer):
 
 # ------------------------------------------------------------------------------ entry points
 def run_replica(argv: list[str]) -> None:
-    """A replica that also serves GatewayService (until replica.py registers it itself)."""
+    """A replica (it serves GatewayService itself)."""
     from controlplane import main as replica_main
-    from controlplane import replica as replica_mod
-    from controlplane.api import auth
-    from controlplane.api.gateway_service import GATEWAY_PERMISSIONS, GatewayService
 
-    if not set(GATEWAY_PERMISSIONS) <= set(auth.PERMISSIONS):
-        auth.PERMISSIONS.update(GATEWAY_PERMISSIONS)
-        name = next((a.split("=", 1)[1] for a in argv if a.startswith("--name=")), "replica")
-        real = workload_pb2_grpc
-
-        class _WithGateway:
-            def __getattr__(self, attr: str) -> Any:
-                return getattr(real, attr)
-
-            @staticmethod
-            def add_WorkloadServiceServicer_to_server(servicer: Any, server: Any) -> None:
-                real.add_WorkloadServiceServicer_to_server(servicer, server)
-                gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-                    GatewayService(servicer.store, servicer.feeds, name), server
-                )
-
-        replica_mod.__dict__["workload_pb2_grpc"] = _WithGateway()
     replica_main.main(argv)
 
 

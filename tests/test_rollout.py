@@ -4,11 +4,11 @@ the canary spec agents get, and the gateways' weighted, session-sticky split."""
 from __future__ import annotations
 
 from controlplane import keys
-from controlplane.api.rollout_service import spec_problems
 from controlplane.rollout import advance, canary_count, completed_workload
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.scheduler.snapshot import decode_state
 from controlplane.store import KV, PutOp
+from controlplane.workloads.rollouts import spec_problems
 from gateway.backends import Registry
 from gateway.settings import GatewaySettings
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2

@@ -18,7 +18,7 @@ from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions
-from controlplane.scheduler.snapshot import SCHEDULING, IncrementalState
+from controlplane.scheduler.snapshot import SCHEDULING, IncrementalState, decode_state, graph_snapshot
 from controlplane.settings import ReplicaSettings
 from controlplane.store import KV, EtcdStore, PutOp, WatchEvent
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
@@ -349,6 +349,7 @@ async def _etcd_costs(store: EtcdStore, nodes: int) -> dict[str, dict[str, int]]
                 for d in session.record.devices
             ]
             assert await sessions.heartbeat(session, agent_pb2.Heartbeat(seq=1, samples=samples))
+            await sessions.flush(session)  # the state write runs beside the stream
 
         return go
 
@@ -377,3 +378,23 @@ async def test_real_etcd_registration_and_heartbeats_cost_the_same(store: EtcdSt
     assert big["registration"]["events"] == 2 and big["registration"]["decodes"] == 1  # node + alive
     changed = big["heartbeat with a device status change"]
     assert changed["decodes"] == 1 and changed["scheduler wakeups"] == 1 and changed["streams sent to"] == 0
+
+
+async def test_scheduler_views_are_rebuilt_only_for_changed_nodes() -> None:
+    r = Replica(100)
+    try:
+        first = graph_snapshot(r.state.current())
+        n = name(7)
+        r.put(keys.telemetry(n), telemetry_value(n, 50.0))
+        r.put(keys.alloc(f"{name(9)}/ascend:3"), keys.encode({"instance": "w1-9"}))
+        second = graph_snapshot(r.state.current())
+        changed = {a.name for a, b in zip(first.nodes, second.nodes, strict=True) if a is not b}
+        assert changed == {name(7), name(9)}
+        by_name = {v.name: v for v in second.nodes}
+        assert {d.utilization_pct for d in by_name[n].devices} == {50.0}
+        assert by_name[name(9)].devices[3].allocated_to == "w1-9"
+        assert by_name[name(9)].devices[0].allocated_to == "w1-9"  # from the initial state
+        assert by_name[name(9)].devices[1].allocated_to is None
+        assert graph_snapshot(decode_state(r.cache.kvs, r.cache.revision)) == second  # same as a full decode
+    finally:
+        await r.close()

@@ -14,26 +14,30 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.auth import Ctx, abort
+from controlplane.api.rpc import Servicer, rpc_stream
 from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions, validate_registration
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import KunlunError
+from kunlun_common.tls import Identity
 
 log = structlog.get_logger("agent-api")
 
 
-class AgentService(agent_pb2_grpc.AgentServiceServicer):
+class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
+    SERVICE = "kunlun.v1.AgentService"
+
     def __init__(self, sessions: NodeSessions, feeds: Feeds, replica_name: str, lease_ttl_s: int) -> None:
         self.sessions = sessions
         self.feeds = feeds
         self.replica_name = replica_name
         self.lease_ttl_s = lease_ttl_s
 
+    @rpc_stream
     async def Connect(
-        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Ctx
+        self, request_iterator: AsyncIterator[agent_pb2.AgentMessage], context: Ctx, ident: Identity
     ) -> AsyncIterator[agent_pb2.ReplicaMessage]:
-        ident = await authorize(context, "/kunlun.v1.AgentService/Connect")
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "register":
             await abort(

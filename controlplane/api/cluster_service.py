@@ -2,31 +2,32 @@
 
 from __future__ import annotations
 
-import grpc
-
 from controlplane import keys
-from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.auth import Ctx
+from controlplane.api.rpc import Servicer, rpc
 from controlplane.election import Elector
 from controlplane.graph import load_nodes
 from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
+from kunlun_common.errors import InvalidInput, NotFoundError
 from kunlun_common.names import parse_device_name
+from kunlun_common.tls import Identity
 
-SVC = "/kunlun.v1.ClusterService/"
 
+class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
+    SERVICE = "kunlun.v1.ClusterService"
 
-class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
     def __init__(self, store: EtcdStore, sessions: NodeSessions, elector: Elector, replica_name: str) -> None:
         self.store = store
         self.sessions = sessions
         self.elector = elector
         self.replica_name = replica_name
 
+    @rpc
     async def ListDevices(
-        self, request: cluster_pb2.ListDevicesRequest, context: Ctx
+        self, request: cluster_pb2.ListDevicesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListDevicesResponse:
-        await authorize(context, SVC + "ListDevices")
         nodes = await load_nodes(self.store, self.sessions)
         devices: list[types_pb2.Device] = []
         for n in nodes:
@@ -34,17 +35,17 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                 continue
             devices.extend(n.devices)
         if request.node and not any(n.name == request.node for n in nodes):
-            await abort(context, grpc.StatusCode.NOT_FOUND, f"node {request.node!r} is not registered")
+            raise NotFoundError(f"node {request.node!r} is not registered")
         return cluster_pb2.ListDevicesResponse(devices=devices)
 
+    @rpc
     async def DescribeDevice(
-        self, request: cluster_pb2.DescribeDeviceRequest, context: Ctx
+        self, request: cluster_pb2.DescribeDeviceRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.DescribeDeviceResponse:
-        await authorize(context, SVC + "DescribeDevice")
         try:
             parse_device_name(request.name)
         except ValueError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"name: {e}")
+            raise InvalidInput(f"name: {e}") from e
         for n in await load_nodes(self.store, self.sessions):
             for d in n.devices:
                 if d.name == request.name:
@@ -52,22 +53,18 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                     node.CopyFrom(n)
                     del node.devices[:]
                     return cluster_pb2.DescribeDeviceResponse(device=d, node=node)
-        await abort(
-            context,
-            grpc.StatusCode.NOT_FOUND,
-            f"device {request.name!r} not found; see `kunlun-cli device list`",
-        )
+        raise NotFoundError(f"device {request.name!r} not found; see `kunlun-cli device list`")
 
+    @rpc
     async def ListNodes(
-        self, request: cluster_pb2.ListNodesRequest, context: Ctx
+        self, request: cluster_pb2.ListNodesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListNodesResponse:
-        await authorize(context, SVC + "ListNodes")
         return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
 
+    @rpc
     async def ClusterStatus(
-        self, request: cluster_pb2.ClusterStatusRequest, context: Ctx
+        self, request: cluster_pb2.ClusterStatusRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ClusterStatusResponse:
-        await authorize(context, SVC + "ClusterStatus")
         replicas_kvs, _ = await self.store.get_prefix(keys.REPLICAS)
         leader_kv = await self.store.get(keys.LEADER)
         holder = keys.decode(leader_kv.value) if leader_kv else {}
@@ -99,6 +96,8 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
             answered_by=self.replica_name,
         )
 
-    async def WhoAmI(self, request: cluster_pb2.WhoAmIRequest, context: Ctx) -> cluster_pb2.WhoAmIResponse:
-        ident = await authorize(context, SVC + "WhoAmI")
-        return cluster_pb2.WhoAmIResponse(identity=ident.name, role=ident.role)
+    @rpc
+    async def WhoAmI(
+        self, request: cluster_pb2.WhoAmIRequest, context: Ctx, who: Identity
+    ) -> cluster_pb2.WhoAmIResponse:
+        return cluster_pb2.WhoAmIResponse(identity=who.name, role=who.role)

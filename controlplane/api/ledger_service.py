@@ -8,41 +8,39 @@ from __future__ import annotations
 
 import grpc
 
-from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.auth import Ctx, abort
+from controlplane.api.rpc import Servicer, rpc
 from controlplane.feeds import Feeds
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
+from kunlun_common.errors import InvalidInput, NotFoundError
 from kunlun_common.names import valid_node_name
-from kunlun_common.tls import TlsMaterial, channel_credentials
+from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
 MAX_TAIL = 100_000
 CALL_TIMEOUT_S = 10.0
 
 
-class LedgerService(agent_pb2_grpc.LedgerServiceServicer):
+class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
+    SERVICE = "kunlun.v1.LedgerService"
+
     def __init__(self, feeds: Feeds, material: TlsMaterial) -> None:
         self.feeds = feeds
         self.tls = material
 
-    async def NodeEngines(self, request: agent_pb2.EnginesRequest, context: Ctx) -> agent_pb2.EnginesResponse:
-        await authorize(context, "/kunlun.v1.LedgerService/NodeEngines")
+    @rpc
+    async def NodeEngines(
+        self, request: agent_pb2.EnginesRequest, context: Ctx, who: Identity
+    ) -> agent_pb2.EnginesResponse:
         if not valid_node_name(request.node):
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')",
+            raise InvalidInput(
+                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')"
             )
         if not 0 <= request.tail <= MAX_TAIL:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tail: expected 0..{MAX_TAIL}, found {request.tail}",
-            )
+            raise InvalidInput(f"tail: expected 0..{MAX_TAIL}, found {request.tail}")
         address = self.feeds.node_service(request.node)
         if not address:
-            await abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"node {request.node} is unknown or does not serve its ledger (agent not registered)",
+            raise NotFoundError(
+                f"node {request.node} is unknown or does not serve its ledger (agent not registered)"
             )
         async with grpc.aio.secure_channel(
             address, channel_credentials(self.tls), options=[("grpc.ssl_target_name_override", request.node)]
@@ -52,7 +50,6 @@ class LedgerService(agent_pb2_grpc.LedgerServiceServicer):
                     request, timeout=CALL_TIMEOUT_S
                 )
             except grpc.aio.AioRpcError as e:
-                code = e.code()
-                retry = " (retry once the agent is back)" if code == grpc.StatusCode.UNAVAILABLE else ""
-                await abort(context, code, f"node {request.node}: {e.details()}{retry}")
+                retry = " (retry once the agent is back)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+                await abort(context, e.code(), f"node {request.node}: {e.details()}{retry}")
         return resp

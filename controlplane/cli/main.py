@@ -17,8 +17,10 @@ from controlplane.cli import (
     device_cmd,
     gateway_cmd,
     model_cmd,
+    node_cmd,
     node_engines_cmd,
     rollout_cmd,
+    scheduler_cmd,
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
@@ -75,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="group", required=True)
     device_cmd.register(sub, common)
+    node_cmd.register(sub, common)
     cluster_cmd.register(sub, common)
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
-    workload_cmd.register_scheduler(sub, common)
+    scheduler_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
     node_engines_cmd.register(sub, common)

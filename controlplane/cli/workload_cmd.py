@@ -1,4 +1,4 @@
-"""`kunlun-cli workload ...`, `node cordon|uncordon|drain`, `scheduler config get|set`."""
+"""`kunlun-cli workload submit|list|describe|scale|logs|delete`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
-from kunlun_common.states import InstancePhase
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -61,39 +60,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     de.add_argument("name")
     de.add_argument("--wait", action="store_true", help="wait until it is gone")
     de.set_defaults(handler=delete)
-
-
-def register_node_ops(nsub: Any, common: argparse.ArgumentParser) -> None:
-    for cmd, helptext in (
-        ("cordon", "no new instances on this node"),
-        ("uncordon", "allow new instances again"),
-        ("drain", "cordon and move its instances elsewhere (reports those that cannot move)"),
-    ):
-        p = nsub.add_parser(cmd, help=helptext, parents=[common])
-        p.add_argument("node")
-        if cmd == "drain":
-            p.add_argument(
-                "--wait",
-                dest="drain_timeout",
-                type=float,
-                default=60.0,
-                help="seconds to wait for the moves",
-            )
-        p.set_defaults(handler=node_op, op=cmd)
-
-
-def register_scheduler(sub: Any, common: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("scheduler", help="scheduler settings (applied live)", parents=[common])
-    ss = s.add_subparsers(dest="cmd", required=True)
-    c = ss.add_parser("config", help="get or set scheduler_config.yaml", parents=[common])
-    cs = c.add_subparsers(dest="sub", required=True)
-    g = cs.add_parser("get", help="print the scheduler config", parents=[common])
-    g.set_defaults(handler=config_get)
-    st = cs.add_parser(
-        "set", help="replace the scheduler config (an invalid file is refused whole)", parents=[common]
-    )
-    st.add_argument("-f", "--file", required=True)
-    st.set_defaults(handler=config_set)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -307,72 +273,6 @@ def delete(args: argparse.Namespace) -> int:
             if args.wait
             else f"workload {args.name} ({resp.id}) is being deleted"
         )
-    return 0
-
-
-def node_op(args: argparse.Namespace) -> int:
-    client = _client(args)
-    req = workload_pb2.CordonNodeRequest(
-        node=args.node, cordon=args.op != "uncordon", drain=args.op == "drain"
-    )
-    resp = client.workloads(lambda s: s.CordonNode, req)
-    stuck: list[dict[str, Any]] = []
-    if args.op == "drain":
-        end = time.monotonic() + args.drain_timeout
-        while True:
-            summaries = client.workloads(
-                lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()
-            ).workloads
-            left = [
-                (s.workload.spec.name, i)
-                for s in summaries
-                for i in s.instances
-                if i.node == args.node and i.phase != InstancePhase.PENDING
-            ]
-            stuck = [{"workload": n, "instance": i.id, "reason": i.reason} for n, i in left]
-            blocked = bool(left) and all(i.reason.startswith("DrainBlocked") for _, i in left)
-            if not left or blocked or time.monotonic() > end:
-                break
-            time.sleep(0.5)
-    if args.output == "json":
-        print_json(
-            {"node": resp.node, "cordoned": resp.cordoned, "draining": resp.draining, "cannot_move": stuck}
-        )
-    else:
-        print(
-            f"node {resp.node} {'cordoned' if resp.cordoned else 'uncordoned'}"
-            + (", drained" if resp.draining else "")
-        )
-        for s in stuck:
-            print(f"  cannot move {s['instance']} ({s['workload']}): {s['reason']}", file=sys.stdout)
-    return 0
-
-
-def config_get(args: argparse.Namespace) -> int:
-    resp = _client(args).workloads(lambda s: s.GetSchedulerConfig, workload_pb2.SchedulerConfigRequest())
-    if args.output == "json":
-        import yaml
-
-        print_json(yaml.safe_load(resp.yaml))
-    else:
-        sys.stdout.write(resp.yaml)
-    return 0
-
-
-def config_set(args: argparse.Namespace) -> int:
-    try:
-        text = Path(args.file).read_text()
-    except OSError as e:
-        raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
-    resp = _client(args).workloads(
-        lambda s: s.SetSchedulerConfig, workload_pb2.SchedulerConfigText(yaml=text)
-    )
-    if args.output == "json":
-        import yaml
-
-        print_json(yaml.safe_load(resp.yaml))
-    else:
-        print("scheduler config applied")
     return 0
 
 

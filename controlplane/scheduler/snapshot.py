@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from google.protobuf import json_format
 
@@ -39,6 +40,10 @@ class ClusterState:
     rollouts: dict[str, rollout_pb2.Rollout] = field(default_factory=dict)  # by workload id
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     config_error: str = ""
+    views: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    """Each node's view from an earlier tick with the inputs it was built from (shared between
+    ticks by `IncrementalState`): reused while the node record and telemetry are the same decoded
+    objects and readiness, cordon and device holders are equal."""
 
 
 SCHEDULING = (
@@ -70,6 +75,7 @@ class IncrementalState:
         self.st = ClusterState(revision=0)
         self._telemetry_raw: dict[str, KV] = {}
         self._telemetry_dirty: set[str] = set()
+        self._views: dict[str, tuple[object, ...]] = {}
         if cache is not None:
             cache.listen((*SCHEDULING, keys.TELEMETRY), self)
 
@@ -167,6 +173,7 @@ class IncrementalState:
             rollouts=dict(st.rollouts),
             config=st.config,
             config_error=st.config_error,
+            views=self._views,
         )
 
 
@@ -207,44 +214,64 @@ def workload_req(w: workload_pb2.Workload) -> WorkloadReq:
 
 
 def graph_snapshot(st: ClusterState, exclude_nodes: frozenset[str] = frozenset()) -> GraphSnapshot:
-    nodes = []
+    """The scheduler's view of every node; a node whose inputs did not change since an earlier
+    tick reuses that tick's view (no telemetry re-parsing: a tick costs O(changed nodes) decodes)."""
+    nodes: list[NodeView] = []
     for name in sorted(st.nodes):
         n = st.nodes[name]
         ready = name in st.alive and name not in exclude_nodes
         cordoned = bool(st.cordons.get(name, {}).get("cordoned", False)) or name in exclude_nodes
         tele = st.telemetry.get(name, {}).get("devices", {})
-        devices = []
-        for d in n.devices:
-            t = types_pb2.DeviceTelemetry()
-            if isinstance(tele, dict) and d.name in tele:
-                json_format.ParseDict(tele[d.name], t, ignore_unknown_fields=True)
-            status = DeviceState.of(d.status) if ready else DeviceState.UNAVAILABLE
-            if status is DeviceState.UNKNOWN:  # an unspecified status is a declaration error
-                status = DeviceState.ERROR
-            holder = st.allocs.get(d.name)
-            devices.append(
-                DeviceView(
-                    name=d.name,
-                    node=name,
-                    device_type=d.device_type,
-                    index=d.index,
-                    model=d.model,
-                    hbm_memory_mb=int(d.hbm_memory_mb),
-                    supported_dtypes=tuple(d.supported_dtypes),
-                    fp16_tflops=d.fp16_tflops,
-                    bf16_tflops=d.bf16_tflops,
-                    int8_tflops=d.int8_tflops,
-                    p2p_enabled=d.p2p_enabled,
-                    topology_distance=tuple(d.topology_distance),
-                    status=status,
-                    utilization_pct=t.utilization_pct,
-                    temperature_c=t.temperature_c,
-                    allocated_to=holder[0] if holder else None,
-                    custom_attributes=json_format.MessageToDict(d.custom_attributes),
-                )
-            )
-        nodes.append(NodeView(name=name, ready=ready, cordoned=cordoned, devices=tuple(devices)))
+        holders = tuple(st.allocs.get(d.name, _FREE)[0] for d in n.devices)
+        memo = st.views.get(name)
+        if memo is not None and memo[0] is n and memo[1] is tele and memo[2:5] == (ready, cordoned, holders):
+            nodes.append(cast(NodeView, memo[5]))
+            continue
+        view = _node_view(name, n, tele, ready, cordoned, holders)
+        st.views[name] = (n, tele, ready, cordoned, holders, view)
+        nodes.append(view)
+    if len(st.views) > len(st.nodes):
+        for gone in [k for k in st.views if k not in st.nodes]:
+            del st.views[gone]
     return GraphSnapshot(nodes=tuple(nodes), revision=st.revision)
+
+
+_FREE: tuple[str, None] = ("", None)
+
+
+def _node_view(
+    name: str, n: types_pb2.Node, tele: object, ready: bool, cordoned: bool, holders: tuple[str, ...]
+) -> NodeView:
+    devices = []
+    for d, holder in zip(n.devices, holders, strict=True):
+        t = types_pb2.DeviceTelemetry()
+        if isinstance(tele, dict) and d.name in tele:
+            json_format.ParseDict(tele[d.name], t, ignore_unknown_fields=True)
+        status = DeviceState.of(d.status) if ready else DeviceState.UNAVAILABLE
+        if status is DeviceState.UNKNOWN:  # an unspecified status is a declaration error
+            status = DeviceState.ERROR
+        devices.append(
+            DeviceView(
+                name=d.name,
+                node=name,
+                device_type=d.device_type,
+                index=d.index,
+                model=d.model,
+                hbm_memory_mb=int(d.hbm_memory_mb),
+                supported_dtypes=tuple(d.supported_dtypes),
+                fp16_tflops=d.fp16_tflops,
+                bf16_tflops=d.bf16_tflops,
+                int8_tflops=d.int8_tflops,
+                p2p_enabled=d.p2p_enabled,
+                topology_distance=tuple(d.topology_distance),
+                status=status,
+                utilization_pct=t.utilization_pct,
+                temperature_c=t.temperature_c,
+                allocated_to=holder or None,
+                custom_attributes=json_format.MessageToDict(d.custom_attributes),
+            )
+        )
+    return NodeView(name=name, ready=ready, cordoned=cordoned, devices=tuple(devices))
 
 
 def queue_inputs(st: ClusterState) -> tuple[list[PendingInstance], list[RunningInstance]]:

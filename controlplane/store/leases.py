@@ -151,8 +151,8 @@ class LeaseKeeper:
                 s = self._ensure()
                 s.waiting[lease_id].append(fut)
                 written_at = time.monotonic()
-                try:
-                    async with asyncio.timeout(left):
+                try:  # the stream's own bound, not the caller's: a short caller deadline is no stream fault
+                    async with asyncio.timeout(self._timeout):
                         await s.call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
                 except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as e:
                     self._broken(s, TemporaryError(f"lease keep-alive write failed: {e}"))

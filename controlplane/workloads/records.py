@@ -9,12 +9,12 @@ from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads.spec import spec_json
 from kunlun_common.api import workload_pb2
 from kunlun_common.clock import now_ms
-from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.errors import NotFoundError, PermanentError, TemporaryError
 from kunlun_common.states import PLACED, InstancePhase, WorkloadChange, WorkloadPhase
 
 
-class NotFound(PermanentError):
-    pass
+class NotFound(NotFoundError):
+    """No workload by that name or id."""
 
 
 class Conflict(TemporaryError):
@@ -151,6 +151,16 @@ async def update(
         if res.succeeded:
             return w
     raise Conflict(f"workload {name_or_id!r} changed concurrently; retry")
+
+
+async def cordon(store: EtcdStore, node: str, cordon: bool, drain: bool, who: str) -> bool:
+    """Record a node's cordon (and drain) goal state; returns whether it is cordoned now."""
+    if await store.get(keys.node(node)) is None:
+        raise NotFoundError(f"node {node!r} is not registered; see `kunlun-cli node list`")
+    cordoned = cordon or drain
+    record = {"cordoned": cordoned, "drain": drain, "by": who, "at_ms": now_ms()}
+    await store.put(keys.cordon(node), keys.encode(record))
+    return cordoned
 
 
 def workload_phase(w: workload_pb2.Workload, instances: list[workload_pb2.Instance]) -> WorkloadPhase:

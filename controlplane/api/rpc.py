@@ -1,0 +1,119 @@
+"""The one wrapper every RPC handler of a replica goes through.
+
+`@rpc` (unary answers) and `@rpc_stream` (server or bidirectional streams) do, for every call:
+
+1. authorize the caller by the method's full name (`/<Servicer.SERVICE>/<handler name>`) against
+   the single role table, `controlplane/api/auth.py` PERMISSIONS (default deny); the handler receives
+   the caller's identity as its third argument;
+2. map the domain errors the handler (or the domain modules it calls) raises to gRPC status codes,
+   once, with `STATUS_OF` below; the message goes to the client unchanged, so it names the field
+   and the fix. Anything else propagates (gRPC answers UNKNOWN and logs it), and so does an abort
+   the handler made itself.
+
+Handlers therefore validate by raising `InvalidInput`, `NotFoundError`, ... and never catch to
+translate. A new RPC: its line in PERMISSIONS, then a decorated method on its servicer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any, ClassVar, NoReturn, TypeVar
+
+import grpc
+
+from controlplane.api.auth import Ctx, abort, authorize
+from kunlun_common.errors import (
+    ConcurrentChange,
+    ConfigError,
+    InvalidInput,
+    NotFoundError,
+    PermanentError,
+    PermissionRefused,
+    TemporaryError,
+)
+from kunlun_common.tls import Identity
+
+STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),  # a spec or config text the caller sent
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (PermissionRefused, grpc.StatusCode.PERMISSION_DENIED),
+    (ConcurrentChange, grpc.StatusCode.ABORTED),
+    (TemporaryError, grpc.StatusCode.UNAVAILABLE),  # retrying can help
+    (PermanentError, grpc.StatusCode.FAILED_PRECONDITION),  # the state or the input must change
+)
+"""Domain error -> status code; the first matching class wins (subclasses before their bases)."""
+
+
+def status_of(e: BaseException) -> grpc.StatusCode | None:
+    """The status code a domain error maps to; None for anything else."""
+    for cls, code in STATUS_OF:
+        if isinstance(e, cls):
+            return code
+    return None
+
+
+async def fail(context: Ctx, e: Exception) -> NoReturn:
+    """Abort the call with the status of domain error `e`; re-raise anything else."""
+    code = status_of(e)
+    if code is None:
+        raise e
+    await abort(context, code, str(e))
+
+
+class Servicer:
+    """Base of the replicas' servicers: names the gRPC service their handlers belong to."""
+
+    SERVICE: ClassVar[str]
+    """The full service name, e.g. "kunlun.v1.WorkloadService"."""
+
+    def method(self, name: str) -> str:
+        """The full method name of handler `name`, as PERMISSIONS lists it."""
+        return f"/{self.SERVICE}/{name}"
+
+
+S = TypeVar("S", bound=Servicer)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def rpc(
+    handler: Callable[[S, Req, Ctx, Identity], Coroutine[Any, Any, Resp]],
+) -> Callable[[S, Req, Ctx], Coroutine[Any, Any, Resp]]:
+    """Wrap a unary handler `(self, request, context, who) -> response` (see the module docstring)."""
+    name = handler.__name__
+
+    @functools.wraps(handler)
+    async def call(self: S, request: Req, context: Ctx) -> Resp:
+        who = await authorize(context, self.method(name))
+        try:
+            return await handler(self, request, context, who)
+        except Exception as e:
+            await fail(context, e)
+
+    call.__rpc_method__ = name  # type: ignore[attr-defined]
+    return call
+
+
+def rpc_stream(
+    handler: Callable[[S, Req, Ctx, Identity], AsyncIterator[Resp]],
+) -> Callable[[S, Req, Ctx], AsyncIterator[Resp]]:
+    """Wrap a streaming handler `(self, request, context, who)` that yields responses."""
+    name = handler.__name__
+
+    @functools.wraps(handler)
+    async def call(self: S, request: Req, context: Ctx) -> AsyncIterator[Resp]:
+        who = await authorize(context, self.method(name))
+        items = handler(self, request, context, who)
+        try:
+            async for item in items:
+                yield item
+        except Exception as e:
+            await fail(context, e)
+        finally:
+            if isinstance(items, AsyncGenerator):  # the client went away: the handler's cleanup runs now
+                await items.aclose()
+
+    call.__rpc_method__ = name  # type: ignore[attr-defined]
+    return call

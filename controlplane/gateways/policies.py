@@ -1,0 +1,64 @@
+"""Per-workload routing policies (`gateway-policies/<workload>`); "default" (or empty) removes the
+record, so the gateways fall back to their own default policy."""
+
+from __future__ import annotations
+
+from controlplane import keys
+from controlplane.store import EtcdStore
+from controlplane.workloads.spec import NAME_RE
+from kunlun_common.api import gateway_pb2
+from kunlun_common.clock import now_ms
+from kunlun_common.errors import InvalidInput
+from kunlun_common.traffic import ROUTING_POLICIES
+
+DEFAULT = ("", "default")
+"""Policy names that mean "the gateway's default"."""
+
+
+def policy_message(rec: dict[str, object]) -> gateway_pb2.RoutingPolicy:
+    return gateway_pb2.RoutingPolicy(
+        workload=str(rec.get("workload", "")),
+        policy=str(rec.get("policy", "")),
+        balance_factor=float(str(rec.get("balance_factor", 0.0))),
+        prefix_chars=int(str(rec.get("prefix_chars", 0))),
+        updated_by=str(rec.get("by", "")),
+        updated_at_unix_ms=int(str(rec.get("at_ms", 0))),
+    )
+
+
+def problems(p: gateway_pb2.RoutingPolicy) -> list[str]:
+    """What is wrong with a policy a caller sent, one line per field (the first one is reported)."""
+    out = []
+    if not NAME_RE.match(p.workload):
+        out.append(f"workload: {p.workload!r} is not a valid name")
+    if p.policy not in (*ROUTING_POLICIES, *DEFAULT):
+        out.append(f"policy: expected one of {', '.join(ROUTING_POLICIES)} or default, found {p.policy!r}")
+    if p.balance_factor and not 1.0 <= p.balance_factor <= 10.0:
+        out.append(f"balance_factor: expected 1..10, found {p.balance_factor}")
+    if not 0 <= p.prefix_chars <= 65536:
+        out.append(f"prefix_chars: expected 0..65536, found {p.prefix_chars}")
+    return out
+
+
+async def set_policy(store: EtcdStore, p: gateway_pb2.RoutingPolicy, who: str) -> gateway_pb2.RoutingPolicy:
+    found = problems(p)
+    if found:
+        raise InvalidInput(found[0])
+    if p.policy in DEFAULT:
+        await store.delete(keys.gateway_policy(p.workload))
+        return gateway_pb2.RoutingPolicy(workload=p.workload, policy="default", updated_by=who)
+    rec: dict[str, object] = {
+        "workload": p.workload,
+        "policy": p.policy,
+        "balance_factor": p.balance_factor,
+        "prefix_chars": p.prefix_chars,
+        "by": who,
+        "at_ms": now_ms(),
+    }
+    await store.put(keys.gateway_policy(p.workload), keys.encode(rec))
+    return policy_message(rec)
+
+
+async def list_policies(store: EtcdStore) -> list[gateway_pb2.RoutingPolicy]:
+    kvs, _ = await store.get_prefix(keys.GATEWAY_POLICIES)
+    return sorted((policy_message(keys.decode(kv.value)) for kv in kvs), key=lambda p: p.workload)
