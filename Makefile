@@ -1,5 +1,5 @@
 # Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
-.PHONY: install demo down test lint typecheck proto bench bench-check clean chaos soak
+.PHONY: install demo down test lint typecheck proto bench bench-check clean chaos soak dist
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -38,6 +38,10 @@ proto: install
 bench: install
 	$(PY) -m bench.failover
 	$(PY) -m bench.heartbeats
+
+# The wheel and the offline bundle (wheelhouse, units, examples, manifest with SHA-256 of every file).
+dist: install
+	$(PY) -c 'from pathlib import Path; from kunlun_installer.bundle import build; build(Path("."), Path("dist"))'
 
 # short profiles of every benchmark vs bench/baseline.json, normalised by same-run references (not in CI)
 bench-check: install

@@ -18,6 +18,7 @@ from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.ledger_service import LedgerService
+from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
@@ -35,6 +36,7 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2_grpc,
+    package_pb2_grpc,
     rollout_pb2_grpc,
     workload_pb2_grpc,
 )
@@ -172,6 +174,7 @@ class Replica:
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
         agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(PackageService(self.store), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

@@ -98,6 +98,11 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         help="refuse a device declaration without a valid CONFIG.sig by a key in --trusted-keys",
     )
     p.add_argument("--trusted-keys", default="", help="folder of trusted signers' public keys (*.pub)")
+    p.add_argument(
+        "--require-signed-packages",
+        action="store_true",
+        help="launch from a model package only when signed by a key in --trusted-keys",
+    )
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     endpoints = tuple(e.strip() for e in a.endpoints.split(",") if e.strip())
@@ -140,6 +145,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         memory_limit_mb=a.engine_memory_limit_mb,
         cpu_cores=a.engine_cpu_cores,
         stop_engines_on_exit=a.stop_engines_on_exit,
+        require_signed_packages=a.require_signed_packages,
+        trusted_keys_dir=a.trusted_keys,
     )
     state_dir = a.state_dir or os.path.join(
         "/var/lib/kunlun-agent", os.path.basename(a.config).rsplit(".", 1)[0]

@@ -46,6 +46,10 @@ class ExecutorSettings:
     """Most tasks (processes and threads) in one instance's cgroup."""
     stop_engines_on_exit: bool = False
     """Stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them for the next agent)."""
+    require_signed_packages: bool = False
+    """Launch from a model package only when its signature verifies with a key in trusted_keys_dir."""
+    trusted_keys_dir: str = ""
+    """Folder of trusted Ed25519 public keys (*.pub) for packages (and signed declarations)."""
     cgroup_parent: str = "kunlun"
     """Parent cgroup; instances live in `<parent>/<node>/<instance_id>` of each hierarchy."""
 

@@ -17,6 +17,7 @@ from kunlun_common.errors import ConfigError
 from kunlun_common.names import DEVICE_TYPES
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+PACKAGE_RE = re.compile(r"^(?P<name>[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?)@sha256:[0-9a-f]{64}$")
 PIN_RE = re.compile(r"^((?P<node>[a-z0-9][a-z0-9-]*)/)?(?P<type>[a-z]+)(:(?P<index>\d+))?$")
 QUANTIZATIONS = ("none", "w8a8", "int8", "fp8", "int4", "awq", "gptq")
 DTYPES = ("auto", "fp16", "bf16", "fp32")
@@ -50,6 +51,8 @@ def with_defaults(spec: workload_pb2.WorkloadSpec) -> workload_pb2.WorkloadSpec:
         s.replicas = 1  # a submitted spec runs at least one instance; `workload scale NAME 0` stops all
     if not s.priority:
         s.priority = "normal"
+    if s.package and not s.model and (pm := PACKAGE_RE.match(s.package)):
+        s.model = pm["name"]
     if not s.name and s.model:
         s.name = (
             re.sub(r"[^a-z0-9.-]+", "-", s.model.lower().rsplit("/", 1)[-1]).strip("-.")[:63] or "workload"
@@ -101,6 +104,10 @@ def validate(spec: workload_pb2.WorkloadSpec) -> list[str]:
         p.append(f"max_concurrency: expected >= 0, found {spec.max_concurrency}")
     if spec.batch_size < 0:
         p.append(f"batch_size: expected >= 0, found {spec.batch_size}")
+    if spec.package and not PACKAGE_RE.match(spec.package):
+        p.append(
+            f"package: {spec.package!r} is not NAME@sha256:DIGEST; copy it from `kunlun-cli model inspect PKG`"
+        )
     for k in spec.env:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
             p.append(f"env: {k!r} is not a valid variable name")

@@ -61,6 +61,7 @@ class WorkloadSpec(_message.Message):
     REQUIRE_P2P_FIELD_NUMBER: _builtins.int
     ENGINE_ARGS_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    PACKAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name; commands accept the name or the generated id."""
     model: _builtins.str
@@ -86,6 +87,10 @@ class WorkloadSpec(_message.Message):
     batch_size: _builtins.int
     require_p2p: _builtins.bool
     """Multi-device instances need P2P between their devices."""
+    package: _builtins.str
+    """Offline model package "NAME@sha256:DIGEST" (docs/kunlunpkg.md): the agent verifies it and
+    launches from its unpacked folder instead of `model`. Empty: `model` as given.
+    """
     @_builtins.property
     def preferred_device_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ordered preference of device types; empty: any."""
@@ -118,10 +123,11 @@ class WorkloadSpec(_message.Message):
         require_p2p: _builtins.bool = ...,
         engine_args: _abc.Iterable[_builtins.str] | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        package: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "max_concurrency", b"max_concurrency", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "max_concurrency", b"max_concurrency", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "package", b"package", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,11 +87,15 @@ def verify_stream(
     require_signature: bool = True,
     extract_to: Path | None = None,
     progress: VerifyProgress | None = None,
+    ignore_signature: bool = False,
 ) -> Verified:
+    """Check (and optionally unpack) a package; `ignore_signature` checks integrity only."""
     reader = TarReader(src)
     mbytes, sig, member = _read_head(reader)
     kid: str | None = None
-    if sig is not None:
+    if ignore_signature:
+        pass
+    elif sig is not None:
         kid = check_signature(mbytes, sig, trusted)
     elif require_signature:
         raise SignatureError(
@@ -151,6 +155,7 @@ def verify_file(
     require_signature: bool = True,
     extract_to: Path | None = None,
     progress: VerifyProgress | None = None,
+    ignore_signature: bool = False,
 ) -> Verified:
     with _open(path) as f:
         try:
@@ -158,5 +163,10 @@ def verify_file(
         except (AttributeError, OSError):
             pass
         return verify_stream(
-            f, trusted, require_signature=require_signature, extract_to=extract_to, progress=progress
+            f,
+            trusted,
+            require_signature=require_signature,
+            extract_to=extract_to,
+            progress=progress,
+            ignore_signature=ignore_signature,
         )

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -41,6 +41,7 @@ from google.protobuf import json_format
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError, KunlunError
 from kunlun_common.names import parse_device_name
+from node_agent.executor import packages
 from node_agent.executor.cgroups import CgroupLimits
 from node_agent.executor.launch_plan import EngineRequest, LaunchPlan, LaunchSettings, build_launch_plan
 from node_agent.executor.sandbox import SandboxSettings, build_env
@@ -211,6 +212,17 @@ def _engine_request(
     )
 
 
+async def package_for(ctx: NodeContext, a: agent_pb2.Assignment) -> packages.Unpacked:
+    """The verified, unpacked model package of the spec (see packages.py); refused: Failed for good."""
+    s = ctx.settings
+    try:
+        return await packages.resolve(
+            ctx.instances_dir, a.spec.package, s.trusted_keys_dir, s.require_signed_packages
+        )
+    except (packages.PackageRefused, KunlunError) as e:
+        raise PrepareError(f"package {a.spec.package[:40]}…: {e}", permanent=True) from None
+
+
 async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int) -> Prepared:
     """Allocate the devices and build the supervisor spec of one start (raises PrepareError)."""
     s = ctx.settings
@@ -231,6 +243,9 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
         raise PrepareError(f"device plugin {plugin.name} failed to allocate: {e}", permanent=False) from None
     port = await asyncio.to_thread(pick_port, ctx.address, preferred_port)
     req = _engine_request(a, device_type, devs, alloc, ctx.address, port)
+    pkg = await package_for(ctx, a) if a.spec.package else None
+    if pkg is not None:
+        req = replace(req, model=str(pkg.model_dir))
     try:
         plan = build_launch_plan(
             req, LaunchSettings(python=s.engine_python, engine_version="sglang", cache_root=ctx.cache_root)
@@ -253,6 +268,8 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
             note = f"SGLang is not installed on {ctx.node}: serving with kunlun-test-engine (a test engine)"
     if plan.cache_dir is not None:
         await asyncio.to_thread(plan.cache_dir.mkdir, parents=True, exist_ok=True)
+        if pkg is not None:
+            await asyncio.to_thread(packages.seed_cache, pkg, plan.cache_dir)
     spec_env = dict(a.spec.env)
     limits = None
     if ctx.cgroups:

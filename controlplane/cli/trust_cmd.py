@@ -1,0 +1,85 @@
+"""`kunlun-cli model trust add|remove|list`: the cluster's trusted package-signing keys (operators)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from controlplane.cli.client import CliError
+from controlplane.cli.output import print_json, print_table
+from kunlun_common.api import package_pb2, package_pb2_grpc
+
+
+def register(msub: Any, common: argparse.ArgumentParser) -> None:
+    t = msub.add_parser("trust", help="the cluster's trusted package-signing keys", parents=[common])
+    tsub = t.add_subparsers(dest="trust_cmd", required=True)
+    a = tsub.add_parser(
+        "add", help="trust a public key (.pub from `model keygen`); audited", parents=[common]
+    )
+    a.add_argument("public_key", help="the .pub file")
+    a.add_argument("--name", default="", help="a label, e.g. the signing team")
+    a.set_defaults(handler=trust_add)
+    r = tsub.add_parser("remove", help="stop trusting a key (by key id); audited", parents=[common])
+    r.add_argument("key_id", help="ed25519:... as shown by `model trust list`")
+    r.set_defaults(handler=trust_remove)
+    ls = tsub.add_parser("list", help="trusted keys: id, name, who added it and when", parents=[common])
+    ls.set_defaults(handler=trust_list)
+
+
+def _json(k: package_pb2.TrustedKey) -> dict[str, Any]:
+    return {
+        "key_id": k.key_id,
+        "name": k.name,
+        "added_by": k.added_by,
+        "added_at_unix_ms": k.added_at_unix_ms,
+        "public_key_pem": k.public_key_pem,
+    }
+
+
+def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    from controlplane.cli.main import make_client
+
+    client = make_client(args)
+    return client.call_stub(package_pb2_grpc.PackageServiceStub, lambda s: getattr(s, method), request)
+
+
+def trust_add(args: argparse.Namespace) -> int:
+    try:
+        pem = Path(args.public_key).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{args.public_key}: cannot read the public key ({e})") from None
+    k = _call(args, "AddTrustedKey", package_pb2.AddTrustedKeyRequest(public_key_pem=pem, name=args.name))
+    if args.output == "json":
+        print_json(_json(k))
+    else:
+        print(f"trusted {k.key_id} {k.name}".rstrip())
+    return 0
+
+
+def trust_remove(args: argparse.Namespace) -> int:
+    k = _call(args, "RemoveTrustedKey", package_pb2.RemoveTrustedKeyRequest(key_id=args.key_id))
+    if args.output == "json":
+        print_json(_json(k))
+    else:
+        print(f"no longer trusted: {k.key_id} {k.name}".rstrip())
+    return 0
+
+
+def trust_list(args: argparse.Namespace) -> int:
+    resp = _call(args, "ListTrustedKeys", package_pb2.ListTrustedKeysRequest())
+    if args.output == "json":
+        print_json({"items": [_json(k) for k in resp.keys]})
+        return 0
+    rows = [
+        (
+            k.key_id,
+            k.name or "-",
+            k.added_by,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.added_at_unix_ms / 1000)),
+        )
+        for k in resp.keys
+    ]
+    print_table(["KEY ID", "NAME", "ADDED BY", "ADDED (UTC)"], rows)
+    return 0

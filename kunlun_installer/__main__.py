@@ -1,0 +1,3 @@
+from kunlun_installer.main import main
+
+main()

@@ -1,0 +1,110 @@
+"""Offline model packages on a node: find, verify, unpack, and seed the compile cache before a launch.
+
+A workload spec naming `package: NAME@sha256:DIGEST` is launched from the package's unpacked folder.
+The node-local store is `<state_dir>/packages/`: operators (or a pull) put `.kunlunpkg` files in
+`incoming/`; the first launch that needs a digest verifies the file and unpacks it in the same pass
+into `unpacked/<hex>/`, then writes `.verified` (cached by digest: later launches reuse it). The
+digest is recomputed from the bytes read, so a file swapped after it was found is still caught.
+
+With `--require-signed-packages` the signature must verify with a key in `--trusted-keys`; without
+it, the hashes are checked and the signature is not. Any problem fails the instance permanently
+(`PrepareError`), with the reason in `workload describe`; no engine is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from kunlun_common.modelpkg import PackageError, TrustedKeys, read_head, verify_file
+from kunlun_common.modelpkg.manifest import CACHE_DIR, MODEL_DIR
+
+MARKER = ".verified"
+
+
+class PackageRefused(Exception):
+    """The package cannot be used on this node; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    model_dir: Path
+    cache_dir: Path | None
+    key_id: str | None
+
+
+def _find(incoming: Path, name: str, digest: str) -> Path:
+    for f in sorted(incoming.glob("*.kunlunpkg")) if incoming.is_dir() else []:
+        try:
+            head = read_head(f)
+        except PackageError:
+            continue
+        if head.digest == digest and head.manifest.name == name:
+            return f
+    raise PackageRefused(
+        f"not on this node: put the .kunlunpkg into {incoming} (kunlun-cli model inspect shows its digest)"
+    )
+
+
+def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: bool) -> Unpacked:
+    """The unpacked, verified package `NAME@sha256:HEX` (blocking: run in a thread)."""
+    name, _, digest = ref.partition("@")
+    dest = root / "unpacked" / digest.removeprefix("sha256:")
+    marker = dest / MARKER
+    if marker.is_file():
+        kid = json.loads(marker.read_text()).get("key_id")
+        if require_signed and (kid is None or kid not in trusted.keys):
+            raise PackageRefused(f"verified earlier without a trusted signature ({kid or 'unsigned'})")
+    else:
+        src = _find(root / "incoming", name, digest)
+        tmp = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            v = verify_file(
+                src,
+                trusted,
+                require_signature=require_signed,
+                extract_to=tmp,
+                ignore_signature=not require_signed,
+            )
+        except PackageError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PackageRefused(f"{src.name}: {e}") from None
+        if v.head.digest != digest:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PackageRefused(f"{src.name} changed while being verified (digest {v.head.digest})")
+        kid = v.key_id
+        (tmp / MARKER).write_text(json.dumps({"key_id": kid, "source": src.name}))
+        if dest.exists():  # another start unpacked it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    cache = dest / CACHE_DIR
+    return Unpacked(dest / MODEL_DIR, cache if cache.is_dir() else None, kid)
+
+
+def seed_cache(pkg: Unpacked, cache_dir: Path) -> int:
+    """Copy the package's compile cache into the node's cache (existing files kept); files copied."""
+    if pkg.cache_dir is None:
+        return 0
+    n = 0
+    for src in pkg.cache_dir.rglob("*"):
+        if src.is_file():
+            dst = cache_dir / src.relative_to(pkg.cache_dir)
+            if not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+                n += 1
+    return n
+
+
+async def resolve(instances_dir: Path, ref: str, trusted_keys_dir: str, require_signed: bool) -> Unpacked:
+    """The package for a launch; PackageRefused with the reason."""
+    trusted = TrustedKeys.load([], [Path(trusted_keys_dir)] if trusted_keys_dir else [])
+    return await asyncio.to_thread(
+        unpack_verified, instances_dir.parent / "packages", ref, trusted, require_signed
+    )

@@ -1,0 +1,1 @@
+"""Development scripts (proto generation, wire-compatibility check)."""

@@ -1,0 +1,108 @@
+"""`kunlun-cli model trust add|remove|list` against a real cluster (3 etcd members, 3 replicas):
+operators change the list, viewers only read it, every change leaves an audit record in etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.api.auth import PERMISSIONS
+from controlplane.api.package_service import AUDIT_TRUST, TRUST
+from controlplane.cli.config import ClientConfig, write_client_config
+from controlplane.store import EtcdStore
+from devcluster.cluster import LocalCluster
+from kunlun_common.api import package_pb2
+from kunlun_common.pki import paths_for
+from tests.conftest import FAST_TMP, start_cluster, store_settings
+from tests.modelpkg_helpers import cli, make_keys
+
+
+@pytest.fixture(scope="module")
+def small_cluster() -> Iterator[LocalCluster]:
+    base = Path(tempfile.mkdtemp(prefix="kunlun-trust-", dir=FAST_TMP))
+    c = start_cluster(base, node_configs=(), gateways=0)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def home_for(cluster: LocalCluster, base: Path, role: str, name: str) -> Path:
+    """A HOME whose client config speaks as `role/name`."""
+    home = base / f"home-{name}"
+    p = paths_for(cluster.cert_dir, role, name)
+    cfg = home / ".config" / "kunlun" / "config.yaml"
+    cfg.parent.mkdir(parents=True)
+    write_client_config(cfg, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    return home
+
+
+def audit_records(cluster: LocalCluster) -> list[dict[str, object]]:
+    async def read() -> list[dict[str, object]]:
+        store = EtcdStore(store_settings(cluster.cert_dir, cluster.etcd.endpoints))
+        await store.connect()
+        try:
+            kvs, _ = await store.get_prefix(AUDIT_TRUST)
+            assert all(kv.key.startswith(AUDIT_TRUST) for kv in kvs)
+            left, _ = await store.get_prefix(TRUST)
+            return [json.loads(kv.value) for kv in kvs] + [{"trusted_now": len(left)}]
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_operators_add_and_remove_keys_viewers_only_list(small_cluster: LocalCluster, tmp_path: Path) -> None:
+    op = home_for(small_cluster, tmp_path, "operator", "admin")
+    viewer = home_for(small_cluster, tmp_path, "viewer", "viewer")
+    _, pub, kid = make_keys(tmp_path / "keys", "release")
+    r = cli("model", "trust", "add", str(pub), "--name", "release team", "-o", "json", home=op)
+    assert r.returncode == 0, r.stderr
+    added = json.loads(r.stdout)
+    assert added["key_id"] == kid and added["added_by"] == "operator:admin"
+    again = cli("model", "trust", "add", str(pub), "-o", "json", home=op)  # idempotent
+    assert again.returncode == 0 and json.loads(again.stdout)["added_at_unix_ms"] == added["added_at_unix_ms"]
+
+    r = cli("model", "trust", "list", "-o", "json", home=viewer)
+    assert r.returncode == 0, r.stderr
+    assert [k["key_id"] for k in json.loads(r.stdout)["items"]] == [kid]
+    r = cli("model", "trust", "list", home=viewer)
+    assert kid in r.stdout and "release team" in r.stdout
+
+    _, pub2, kid2 = make_keys(tmp_path / "keys", "mallory")
+    r = cli("model", "trust", "add", str(pub2), home=viewer)
+    assert r.returncode == 1 and "permission denied" in r.stderr and "AddTrustedKey" in r.stderr
+    r = cli("model", "trust", "remove", kid, home=viewer)
+    assert r.returncode == 1 and "permission denied" in r.stderr
+
+    bad = tmp_path / "bad.pub"
+    bad.write_text("-----BEGIN PUBLIC KEY-----\nnot a key\n-----END PUBLIC KEY-----\n")
+    r = cli("model", "trust", "add", str(bad), home=op)
+    assert r.returncode == 1 and "invalid argument" in r.stderr and "public_key_pem" in r.stderr
+    r = cli("model", "trust", "remove", "ed25519:0000000000000000", home=op)
+    assert r.returncode == 1 and "not found" in r.stderr
+
+    r = cli("model", "trust", "remove", kid, home=op)
+    assert r.returncode == 0, r.stderr
+    r = cli("model", "trust", "list", "-o", "json", home=op)
+    assert json.loads(r.stdout)["items"] == []
+    records = audit_records(small_cluster)
+    assert [(a.get("op"), a.get("key_id"), a.get("by")) for a in records[:-1]] == [
+        ("add", kid, "operator:admin"),
+        ("remove", kid, "operator:admin"),
+    ]
+    assert records[-1] == {"trusted_now": 0}
+    assert kid2 not in json.dumps(records)  # the refused call changed nothing
+
+
+def test_every_package_method_has_a_role_rule() -> None:
+    svc = package_pb2.DESCRIPTOR.services_by_name["PackageService"]
+    for m in svc.methods:
+        assert f"/kunlun.v1.PackageService/{m.name}" in PERMISSIONS, m.name
