@@ -23,17 +23,20 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from chaos.history import FAILED, OK, UNKNOWN, ApiOp, ServeOp
-from kunlun_common.api import workload_pb2, workload_pb2_grpc
+from kunlun_common.api import rollout_pb2, rollout_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.pki import paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 # codes that prove a call changed nothing
 DEFINITE = {"NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "PERMISSION_DENIED", "ALREADY_EXISTS"}
 SERVE_WORKLOAD = "chaos-serve"
+ROLL_WORKLOAD = "chaos-roll"
+ROLL_CLIENT = 100
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,73 @@ def api_client(n: int, s: LoadSettings, names: Names, rec: Recorder, stop: threa
         stop.wait(s.pace_s * (0.5 + rng.random()))
 
 
+def _outcome(e: grpc.RpcError) -> tuple[str, str]:
+    code = e.code().name if e.code() is not None else "UNKNOWN"
+    return (FAILED, code) if code in DEFINITE else (UNKNOWN, code)
+
+
+def rollout_client(s: LoadSettings, rec: Recorder, stop: threading.Event) -> None:
+    """Rollouts of workload chaos-roll (not served by the traffic): create a canary of a new model
+    version, then promote it to completion or abort it; every call recorded like the API clients'."""
+    rng = random.Random(s.seed * 3000)
+    creds = channel_credentials(load_tls(paths_for(s.cert_dir, "operator", "admin")))
+    chans = [
+        grpc.secure_channel(e, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+        for e in s.endpoints
+    ]
+    version = 0
+
+    def call(kind: str, fn: Any, req: object, arg: int | None = None) -> str:
+        start = time.time() - s.t0
+        try:
+            fn(rng.choice(chans))(req, timeout=s.call_timeout_s)
+            result, code, end = OK, "", time.time() - s.t0
+        except grpc.RpcError as e:
+            (result, code), end = _outcome(e), time.time() - s.t0
+            if result == UNKNOWN:
+                end = math.inf
+        rec.write("api", ApiOp(ROLL_CLIENT, kind, ROLL_WORKLOAD, arg, start, end, result, code))
+        return result
+
+    spec = workload_pb2.WorkloadSpec(name=ROLL_WORKLOAD, model=f"{ROLL_WORKLOAD}-v0", replicas=1)
+    while not stop.is_set() and rec.count < s.max_calls:
+        if (
+            call(
+                "submit",
+                lambda c: workload_pb2_grpc.WorkloadServiceStub(c).SubmitWorkload,
+                workload_pb2.SubmitWorkloadRequest(spec=spec),
+                1,
+            )
+            == OK
+        ):
+            break
+        stop.wait(1.0)
+
+    def roll(c: grpc.Channel) -> Any:
+        return rollout_pb2_grpc.RolloutServiceStub(c)
+
+    target = rollout_pb2.RolloutRequest(workload=ROLL_WORKLOAD)
+    while not stop.is_set() and rec.count < s.max_calls:
+        version += 1
+        create = rollout_pb2.CreateRolloutRequest(
+            spec=rollout_pb2.RolloutSpec(
+                workload=ROLL_WORKLOAD, model=f"{ROLL_WORKLOAD}-v{version}", canary_pct=50, min_requests=0
+            )
+        )
+        call("rollout-create", lambda c: roll(c).CreateRollout, create)
+        for _ in range(rng.randint(1, 3)):
+            if stop.wait(2.0 + 2.0 * rng.random()):
+                return
+            call("rollout-get", lambda c: roll(c).GetRollout, target)
+        if rng.random() < 0.6:
+            call("rollout-promote", lambda c: roll(c).PromoteRollout, target)
+            stop.wait(2.0)
+            call("rollout-promote", lambda c: roll(c).PromoteRollout, target)
+        else:
+            call("rollout-abort", lambda c: roll(c).AbortRollout, target)
+        stop.wait(4.0 + 2.0 * rng.random())
+
+
 def one_request(gateway: str, stream: bool, timeout: float) -> str:
     """ "" on success, else what went wrong."""
     host, port = gateway.rsplit(":", 1)
@@ -216,6 +286,7 @@ def run(s: LoadSettings) -> None:
         threading.Thread(target=traffic_worker, args=(n, s, serve_rec, stop), daemon=True)
         for n in range(s.traffic_workers)
     ]
+    threads.append(threading.Thread(target=rollout_client, args=(s, api_rec, stop), daemon=True))
     for t in threads:
         t.start()
     end = time.monotonic() + s.max_duration_s

@@ -67,8 +67,14 @@ def _apply(pre: str, op: ApiOp) -> list[str]:
     return [pre]
 
 
+REGISTER_KINDS = frozenset({"submit", "scale", "delete", "get"})
+
+
 def relevant(op: ApiOp) -> bool:
-    """Calls that constrain the register (failures without information and unanswered reads drop out)."""
+    """Calls that constrain the register (failures without information, unanswered reads and calls
+    of other APIs, such as rollouts, drop out)."""
+    if op.kind not in REGISTER_KINDS:
+        return False
     if op.result == UNKNOWN:
         return op.kind != "get"
     if op.result == FAILED:

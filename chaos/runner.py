@@ -190,9 +190,16 @@ def context_for(v: Verdict, eh: EtcdHistory, h: RunHistory) -> list[str]:
             if abs(w.revision - rev) <= 5
         ]
         out += [f"rev {r}: leader {n}" for r, n in eh.leaders if abs(r - rev) <= 50]
-    t = re.search(r"at (\d+(?:\.\d+)?)s", first)
+    t = re.search(r"(\d+\.\d+)s", first)
     if t:
         at = float(t.group(1))
+        name = first.split(":", 1)[0]
+        out += [
+            f"client {o.client} {o.kind}({'' if o.arg is None else o.arg}) {name} [{o.start:.3f}s .. {o.end:.3f}s]"
+            f" {o.result} {o.code} {'' if o.read is None else repr(o.read)}"
+            for o in sorted(h.api, key=lambda o: o.start)
+            if o.name == name and at - 5 <= o.start <= at + 5
+        ]
         out += [
             f"fault {f.kind} {f.target} [{f.start:.1f}s..{f.end:.1f}s]"
             for f in h.faults

@@ -29,6 +29,12 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
     p.add_argument("--retry-period", type=float, help="leader retry period in seconds (default 1)")
     p.add_argument("--node-lease-ttl", type=int, help="node liveness lease TTL in seconds (default 10)")
     p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument(
+        "--package-store-dir", help="this replica's model package folder ({name}: the replica name)"
+    )
+    p.add_argument(
+        "--package-store-quota-bytes", type=int, help="most bytes of packages in the cluster store"
+    )
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
     source = a.config or "flags"
@@ -39,6 +45,8 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         ("cert_dir", "cert_dir"),
         ("node_lease_ttl", "node_lease_ttl_s"),
         ("log_level", "log_level"),
+        ("package_store_dir", "package_store_dir"),
+        ("package_store_quota_bytes", "package_store_quota_bytes"),
     ):
         if getattr(a, flag) is not None:
             data[key] = getattr(a, flag)

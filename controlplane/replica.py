@@ -174,7 +174,15 @@ class Replica:
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
         agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
-        package_pb2_grpc.add_PackageServiceServicer_to_server(PackageService(self.store), server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(
+            PackageService(
+                self.store,
+                self.settings.name,
+                self.settings.package_store_dir,
+                self.settings.package_store_quota_bytes,
+            ),
+            server,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

@@ -41,6 +41,11 @@ class ReplicaSettings:
     non-zero; 0 waits forever."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    package_store_dir: str = ""
+    """Folder of this replica's copies of model packages (`{name}` is replaced by the replica name);
+    empty: this replica stores no packages (pushes go to replicas that do)."""
+    package_store_quota_bytes: int = 200 * 2**30
+    """Most bytes of packages the cluster's store index may hold (each package counted once)."""
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:

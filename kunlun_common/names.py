@@ -27,6 +27,7 @@ VENDOR_NAMES: tuple[VendorName, ...] = (
     VendorName("cambricon"),
     VendorName("hygon"),
     VendorName("nvidia"),
+    VendorName("iluvatar", sglang_refusal="upstream SGLang has no Iluvatar CoreX device"),
 )
 DEVICE_TYPES = tuple(v.type_name for v in VENDOR_NAMES)
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")

@@ -311,3 +311,33 @@ def test_fault_schedule_is_reproducible_from_its_seed_and_covers_every_kind() ->
     assert a == schedule(random.Random(5), 20)
     assert a != schedule(random.Random(6), 20)
     assert len(a) == 20 and set(a[: len(KINDS)]) == set(KINDS)
+
+
+def test_linearizable_ignores_calls_of_other_apis() -> None:
+    ops = [
+        _op(1, "submit", "w", 0, 1, arg=1),
+        _op(100, "rollout-create", "w", 2, 3),
+        _op(100, "rollout-abort", "w", 4, 5, result=FAILED, code="NOT_FOUND"),
+        _op(2, "get", "w", 6, 7, read="r=1"),
+    ]
+    assert check_name("w", ops).ok is True
+
+
+def test_first_violation_context_names_the_calls_revisions_and_faults_around_it() -> None:
+    from chaos.checkers import Verdict
+    from chaos.etcdhist import EtcdHistory
+    from chaos.runner import context_for
+
+    ops = [
+        _op(1, "submit", "w", 0, 1, arg=1),
+        _op(1, "scale", "w", 2, 3, arg=0),
+        _op(2, "get", "w", 4, 5, read="r=1"),
+    ]
+    h = RunHistory(api=ops, faults=[FaultRecord("partition", "etcd-1+replica-1", 1, 6)])
+    lin = check_linearizable(ops)
+    ctx = context_for(lin, EtcdHistory(), h)
+    assert any("scale(0) w" in line for line in ctx) and any("partition" in line for line in ctx)
+    eh = EtcdHistory(allocs=[AllocEvent(40, "node-a/ascend:0", "put", "i-1", 1)], leaders=[(38, "replica-2")])
+    alloc = Verdict("allocations", False, "", ["rev 42: node-a/ascend:0 given to i-2 while held by i-1"])
+    ctx = context_for(alloc, eh, h)
+    assert "rev 40: put node-a/ascend:0 -> i-1" in ctx and "rev 38: leader replica-2" in ctx

@@ -1,5 +1,6 @@
-"""`kunlun-cli model trust add|remove|list` against a real cluster (3 etcd members, 3 replicas):
-operators change the list, viewers only read it, every change leaves an audit record in etcd."""
+"""`kunlun-cli model trust add|remove|list` and `model push|list|delete` against a real cluster (3 etcd members, 3 replicas):
+operators change the list, viewers only read it, every change leaves an audit record in etcd; packages are stored
+verified on two replicas' disks, within a quota, with only the index in etcd."""
 
 from __future__ import annotations
 
@@ -18,15 +19,23 @@ from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.store import EtcdStore
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import package_pb2
+from kunlun_common.modelpkg import PackOptions, load_private_key, pack
 from kunlun_common.pki import paths_for
 from tests.conftest import FAST_TMP, start_cluster, store_settings
-from tests.modelpkg_helpers import cli, make_keys
+from tests.modelpkg_helpers import add_sparse_safetensors, cli, make_keys, make_model
+
+QUOTA = 12_000_000
 
 
 @pytest.fixture(scope="module")
 def small_cluster() -> Iterator[LocalCluster]:
     base = Path(tempfile.mkdtemp(prefix="kunlun-trust-", dir=FAST_TMP))
-    c = start_cluster(base, node_configs=(), gateways=0)
+    c = start_cluster(
+        base,
+        node_configs=(),
+        gateways=0,
+        replica_args=(f"--package-store-dir={base}/store/{{name}}", f"--package-store-quota-bytes={QUOTA}"),
+    )
     try:
         yield c
     finally:
@@ -106,3 +115,59 @@ def test_every_package_method_has_a_role_rule() -> None:
     svc = package_pb2.DESCRIPTOR.services_by_name["PackageService"]
     for m in svc.methods:
         assert f"/kunlun.v1.PackageService/{m.name}" in PERMISSIONS, m.name
+
+
+def test_push_list_delete_two_verified_copies_and_a_quota(
+    small_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    op = home_for(small_cluster, tmp_path, "operator", "admin")
+    priv, pub, kid = make_keys(tmp_path / "keys", "store")
+    assert cli("model", "trust", "add", str(pub), home=op).returncode == 0
+    model = make_model(tmp_path / "tiny")
+    good = pack(PackOptions(model, tmp_path / "tiny.kunlunpkg"), load_private_key(priv))
+    r = cli("model", "push", str(good.path), "--quiet", "-o", "json", home=op)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert (
+        info["digest"] == good.digest
+        and info["signed_by"] == kid
+        and info["size_bytes"] == good.path.stat().st_size
+    )
+    assert sorted(info["holders"]) == ["replica-1", "replica-2"]
+    hexd = good.digest.removeprefix("sha256:")
+    store = small_cluster.base / "store"
+    for rep in ("replica-1", "replica-2"):
+        assert (store / rep / "blobs" / f"{hexd}.kunlunpkg").read_bytes() == good.path.read_bytes()
+    assert not list(store.glob("*/tmp/*")), "no partial upload left"
+    r = cli("model", "list", "-o", "json", home=op)
+    assert [p["ref"] for p in json.loads(r.stdout)["items"]] == [f"tiny@{good.digest}"]
+
+    # Refused at the door, nothing stored: a flipped bit, an untrusted signer, a package past the quota.
+    bad = tmp_path / "bad.kunlunpkg"
+    data = bytearray(good.path.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    r = cli("model", "push", str(bad), "--quiet", home=op)
+    assert r.returncode == 1 and "package refused" in r.stderr and "SHA-256" in r.stderr
+    other, _, other_kid = make_keys(tmp_path / "other", "mallory")
+    by_other = pack(PackOptions(model, tmp_path / "o.kunlunpkg", name="tiny-other"), load_private_key(other))
+    r = cli("model", "push", str(by_other.path), "--quiet", home=op)
+    assert r.returncode == 1 and f"untrusted key {other_kid}" in r.stderr
+    big_model = make_model(tmp_path / "big")
+    add_sparse_safetensors(big_model, "model-2.safetensors", 10_000_000)
+    big = pack(PackOptions(big_model, tmp_path / "big.kunlunpkg"), None)
+    r = cli("model", "push", str(big.path), "--quiet", home=op)
+    assert r.returncode == 1 and "quota" in r.stderr, r.stderr
+    r = cli("model", "list", "-o", "json", home=op)
+    assert [p["name"] for p in json.loads(r.stdout)["items"]] == ["tiny"]
+    assert sorted(p.name for p in store.glob("*/blobs/*")) == [f"{hexd}.kunlunpkg"] * 2
+
+    viewer = home_for(small_cluster, tmp_path, "viewer", "viewer")
+    r = cli("model", "delete", f"tiny@{good.digest}", home=viewer)
+    assert r.returncode == 1 and "permission denied" in r.stderr
+    r = cli("model", "delete", f"tiny@{good.digest}", home=op)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(cli("model", "list", "-o", "json", home=op).stdout)["items"] == []
+    assert not list(store.glob("*/blobs/*"))
+    r = cli("model", "delete", f"tiny@{good.digest}", home=op)
+    assert r.returncode == 1 and "no package" in r.stderr

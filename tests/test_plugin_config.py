@@ -554,7 +554,7 @@ def test_bad_device_type_keeps_the_device_as_unknown() -> None:
     d = cfg.devices[0]
     assert (d.device_type, d.device_id, d.model) == ("unknown", 0, "910B")
     assert [str(p) for p in d.errors] == [
-        "t.yaml:8: devices[0].device_type (node-a/unknown:0): expected one of ascend, cambricon, hygon, nvidia, "
+        f"t.yaml:8: devices[0].device_type (node-a/unknown:0): expected one of {', '.join(DEVICE_TYPES)}, "
         "found string \"Ascend\"; write it in lowercase: 'ascend'"
     ]
     assert "did you mean 'cambricon'?" in device_errors(with_device(device_type="mlu"))[0]

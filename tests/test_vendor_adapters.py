@@ -485,6 +485,7 @@ def test_adapter_registry() -> None:
         "cambricon": "cnmon",
         "hygon": "hy-smi",
         "nvidia": "nvidia-smi",
+        "iluvatar": "ixsmi",
     }
     assert isinstance(adapter_for("nvidia", env={}), NvidiaAdapter)
     with pytest.raises(ValueError, match="unknown device type 'tpu'; expected one of ascend, cambricon"):

@@ -56,6 +56,9 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.PackageService/AddTrustedKey": WRITERS,
     "/kunlun.v1.PackageService/RemoveTrustedKey": WRITERS,
     "/kunlun.v1.PackageService/ListTrustedKeys": (*READERS, "agent"),
+    "/kunlun.v1.PackageService/PushPackage": WRITERS,
+    "/kunlun.v1.PackageService/ListPackages": (*READERS, "agent"),
+    "/kunlun.v1.PackageService/DeletePackage": WRITERS,
 }
 
 

@@ -77,9 +77,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     i = msub.add_parser("inspect", help="what a package holds (reads only its manifest)", parents=[common])
     i.add_argument("package", help="the .kunlunpkg file")
     i.set_defaults(handler=model_inspect)
-    from controlplane.cli import trust_cmd
+    from controlplane.cli import store_cmd, trust_cmd
 
     trust_cmd.register(msub, common)
+    store_cmd.register(msub, common)
 
 
 class _Progress:

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError
-from kunlun_common.names import DEVICE_TYPES
+from kunlun_common.names import DEVICE_TYPES, sglang_refusal
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 PACKAGE_RE = re.compile(r"^(?P<name>[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?)@sha256:[0-9a-f]{64}$")
@@ -90,6 +90,13 @@ def validate(spec: workload_pb2.WorkloadSpec) -> list[str]:
             p.append(
                 f"preferred_device_types: unknown type {t!r}; expected some of {', '.join(DEVICE_TYPES)}"
             )
+    if spec.engine == "sglang":
+        named = [*spec.preferred_device_types, *([m["type"]] if (m := PIN_RE.match(spec.pin)) else [])]
+        for t in dict.fromkeys(named):
+            if sglang_refusal(t):
+                p.append(
+                    f"engine: sglang cannot run on {t} devices: {sglang_refusal(t)}; use engine: template"
+                )
     if spec.pin:
         m = PIN_RE.match(spec.pin)
         if not m or m["type"] not in DEVICE_TYPES:

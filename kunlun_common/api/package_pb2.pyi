@@ -130,3 +130,143 @@ class ListTrustedKeysResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListTrustedKeysResponse: _TypeAlias = ListTrustedKeysResponse  # noqa: Y015
+
+@_typing.final
+class PushPackageChunk(_message.Message):
+    """The cluster's package store: each package is a content-addressed blob on the disks of the
+    replicas that received it (the CLI pushes to two); etcd holds only the index.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The .kunlunpkg bytes, in order, at most 1 MiB per message."""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushPackageChunk: _TypeAlias = PushPackageChunk  # noqa: Y015
+
+@_typing.final
+class PackageInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHT_FORMAT_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
+    MIN_DEVICE_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    ENGINE_FIELD_NUMBER: _builtins.int
+    TARGET_DEVICE_TYPES_FIELD_NUMBER: _builtins.int
+    SIGNED_BY_FIELD_NUMBER: _builtins.int
+    PUSHED_BY_FIELD_NUMBER: _builtins.int
+    PUSHED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.str
+    digest: _builtins.str
+    """sha256:<hex> of the manifest (the package digest)."""
+    size_bytes: _builtins.int
+    weight_format: _builtins.str
+    quantization: _builtins.str
+    min_device_memory_mb: _builtins.int
+    engine: _builtins.str
+    signed_by: _builtins.str
+    """Key id of the (cluster-trusted) signer; empty: unsigned."""
+    pushed_by: _builtins.str
+    pushed_at_unix_ms: _builtins.int
+    @_builtins.property
+    def target_device_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicas holding a verified copy."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        weight_format: _builtins.str = ...,
+        quantization: _builtins.str = ...,
+        min_device_memory_mb: _builtins.int = ...,
+        engine: _builtins.str = ...,
+        target_device_types: _abc.Iterable[_builtins.str] | None = ...,
+        signed_by: _builtins.str = ...,
+        pushed_by: _builtins.str = ...,
+        pushed_at_unix_ms: _builtins.int = ...,
+        holders: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "engine", b"engine", "holders", b"holders", "min_device_memory_mb", b"min_device_memory_mb", "name", b"name", "pushed_at_unix_ms", b"pushed_at_unix_ms", "pushed_by", b"pushed_by", "quantization", b"quantization", "signed_by", b"signed_by", "size_bytes", b"size_bytes", "target_device_types", b"target_device_types", "version", b"version", "weight_format", b"weight_format"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackageInfo: _TypeAlias = PackageInfo  # noqa: Y015
+
+@_typing.final
+class ListPackagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPackagesRequest: _TypeAlias = ListPackagesRequest  # noqa: Y015
+
+@_typing.final
+class ListPackagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PACKAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def packages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PackageInfo]: ...
+    def __init__(
+        self,
+        *,
+        packages: _abc.Iterable[Global___PackageInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["packages", b"packages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPackagesResponse: _TypeAlias = ListPackagesResponse  # noqa: Y015
+
+@_typing.final
+class DeletePackageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """NAME@sha256:DIGEST or sha256:DIGEST."""
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeletePackageRequest: _TypeAlias = DeletePackageRequest  # noqa: Y015

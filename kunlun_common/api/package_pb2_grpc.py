@@ -34,6 +34,21 @@ class PackageServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.PushPackage = channel.stream_unary(
+                '/kunlun.v1.PackageService/PushPackage',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.PushPackageChunk.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.PackageInfo.FromString,
+                _registered_method=True)
+        self.ListPackages = channel.unary_unary(
+                '/kunlun.v1.PackageService/ListPackages',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.ListPackagesRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.ListPackagesResponse.FromString,
+                _registered_method=True)
+        self.DeletePackage = channel.unary_unary(
+                '/kunlun.v1.PackageService/DeletePackage',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.DeletePackageRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.PackageInfo.FromString,
+                _registered_method=True)
         self.AddTrustedKey = channel.unary_unary(
                 '/kunlun.v1.PackageService/AddTrustedKey',
                 request_serializer=kunlun_dot_v1_dot_package__pb2.AddTrustedKeyRequest.SerializeToString,
@@ -53,6 +68,27 @@ class PackageServiceStub:
 
 class PackageServiceServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def PushPackage(self, request_iterator, context):
+        """Store a package on this replica after verifying it (hashes; the signature with the cluster's
+        trusted keys when signed). RESOURCE_EXHAUSTED when it would pass the store quota.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPackages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeletePackage(self, request, context):
+        """Remove this replica's copy; the index entry goes with the last copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def AddTrustedKey(self, request, context):
         """Trust a signing key (idempotent: adding a trusted key again returns it unchanged).
@@ -77,6 +113,21 @@ class PackageServiceServicer:
 
 def add_PackageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'PushPackage': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushPackage,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.PushPackageChunk.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.PackageInfo.SerializeToString,
+            ),
+            'ListPackages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPackages,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.ListPackagesRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.ListPackagesResponse.SerializeToString,
+            ),
+            'DeletePackage': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeletePackage,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.DeletePackageRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.PackageInfo.SerializeToString,
+            ),
             'AddTrustedKey': grpc.unary_unary_rpc_method_handler(
                     servicer.AddTrustedKey,
                     request_deserializer=kunlun_dot_v1_dot_package__pb2.AddTrustedKeyRequest.FromString,
@@ -102,6 +153,87 @@ def add_PackageServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PackageService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def PushPackage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kunlun.v1.PackageService/PushPackage',
+            kunlun_dot_v1_dot_package__pb2.PushPackageChunk.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.PackageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPackages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.PackageService/ListPackages',
+            kunlun_dot_v1_dot_package__pb2.ListPackagesRequest.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.ListPackagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeletePackage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.PackageService/DeletePackage',
+            kunlun_dot_v1_dot_package__pb2.DeletePackageRequest.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.PackageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def AddTrustedKey(request,

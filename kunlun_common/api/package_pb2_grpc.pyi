@@ -34,6 +34,13 @@ class PackageServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PackageServiceAsyncStub: ...
+    PushPackage: _grpc.StreamUnaryMultiCallable[_package_pb2.PushPackageChunk, _package_pb2.PackageInfo]
+    """Store a package on this replica after verifying it (hashes; the signature with the cluster's
+    trusted keys when signed). RESOURCE_EXHAUSTED when it would pass the store quota.
+    """
+    ListPackages: _grpc.UnaryUnaryMultiCallable[_package_pb2.ListPackagesRequest, _package_pb2.ListPackagesResponse]
+    DeletePackage: _grpc.UnaryUnaryMultiCallable[_package_pb2.DeletePackageRequest, _package_pb2.PackageInfo]
+    """Remove this replica's copy; the index entry goes with the last copy."""
     AddTrustedKey: _grpc.UnaryUnaryMultiCallable[_package_pb2.AddTrustedKeyRequest, _package_pb2.TrustedKey]
     """Trust a signing key (idempotent: adding a trusted key again returns it unchanged)."""
     RemoveTrustedKey: _grpc.UnaryUnaryMultiCallable[_package_pb2.RemoveTrustedKeyRequest, _package_pb2.TrustedKey]
@@ -43,6 +50,13 @@ class PackageServiceStub:
 @_typing.type_check_only
 class PackageServiceAsyncStub(PackageServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
+    PushPackage: _aio.StreamUnaryMultiCallable[_package_pb2.PushPackageChunk, _package_pb2.PackageInfo]  # type: ignore[assignment]
+    """Store a package on this replica after verifying it (hashes; the signature with the cluster's
+    trusted keys when signed). RESOURCE_EXHAUSTED when it would pass the store quota.
+    """
+    ListPackages: _aio.UnaryUnaryMultiCallable[_package_pb2.ListPackagesRequest, _package_pb2.ListPackagesResponse]  # type: ignore[assignment]
+    DeletePackage: _aio.UnaryUnaryMultiCallable[_package_pb2.DeletePackageRequest, _package_pb2.PackageInfo]  # type: ignore[assignment]
+    """Remove this replica's copy; the index entry goes with the last copy."""
     AddTrustedKey: _aio.UnaryUnaryMultiCallable[_package_pb2.AddTrustedKeyRequest, _package_pb2.TrustedKey]  # type: ignore[assignment]
     """Trust a signing key (idempotent: adding a trusted key again returns it unchanged)."""
     RemoveTrustedKey: _aio.UnaryUnaryMultiCallable[_package_pb2.RemoveTrustedKeyRequest, _package_pb2.TrustedKey]  # type: ignore[assignment]
@@ -50,6 +64,31 @@ class PackageServiceAsyncStub(PackageServiceStub):
     ListTrustedKeys: _aio.UnaryUnaryMultiCallable[_package_pb2.ListTrustedKeysRequest, _package_pb2.ListTrustedKeysResponse]  # type: ignore[assignment]
 
 class PackageServiceServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def PushPackage(
+        self,
+        request_iterator: _MaybeAsyncIterator[_package_pb2.PushPackageChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_package_pb2.PackageInfo, _abc.Awaitable[_package_pb2.PackageInfo]]:
+        """Store a package on this replica after verifying it (hashes; the signature with the cluster's
+        trusted keys when signed). RESOURCE_EXHAUSTED when it would pass the store quota.
+        """
+
+    @_abc_1.abstractmethod
+    def ListPackages(
+        self,
+        request: _package_pb2.ListPackagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_package_pb2.ListPackagesResponse, _abc.Awaitable[_package_pb2.ListPackagesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeletePackage(
+        self,
+        request: _package_pb2.DeletePackageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_package_pb2.PackageInfo, _abc.Awaitable[_package_pb2.PackageInfo]]:
+        """Remove this replica's copy; the index entry goes with the last copy."""
+
     @_abc_1.abstractmethod
     def AddTrustedKey(
         self,
