@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = Path(__file__).with_name("baseline.json")
-PROFILES = ("heartbeats", "scheduler", "decisions", "failover", "gateway")
+PROFILES = ("heartbeats", "e2e", "scheduler", "decisions", "failover", "gateway")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,20 @@ def heartbeats(ref: dict[str, float]) -> list[Figure]:
     ]
 
 
+def e2e(ref: dict[str, float]) -> list[Figure]:
+    from bench.e2e_submit import run
+
+    r = run(100, 300, 16, 120.0)
+    return [
+        Figure(
+            "e2e.submit_to_ack",
+            r["rate"] / r["target"],
+            True,
+            f"{r['acked']}/{r['workloads']} acked, {r['rate']:.0f}/s (target {r['target']:.0f}/s)",
+        )
+    ]
+
+
 def scheduler(ref: dict[str, float]) -> list[Figure]:
     from bench.scheduler_throughput import run
 
@@ -135,6 +149,7 @@ def gateway(ref: dict[str, float]) -> list[Figure]:
 
 RUNNERS: dict[str, Callable[[dict[str, float]], list[Figure]]] = {
     "heartbeats": heartbeats,
+    "e2e": e2e,
     "scheduler": scheduler,
     "decisions": decisions,
     "failover": failover,

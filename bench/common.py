@@ -35,7 +35,10 @@ def temp_cluster(**kw: object) -> Iterator[LocalCluster]:
         yield cluster
     finally:
         cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
+        if os.environ.get("KUNLUN_BENCH_KEEP"):
+            print(f"cluster files kept in {base} (KUNLUN_BENCH_KEEP)", flush=True)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -16,7 +16,7 @@ from controlplane import keys
 from controlplane.store import EtcdStore, StoreSettings, WatchEvent
 from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import etcd_client_paths
 
 
 async def one_trial(cluster: LocalCluster, store: EtcdStore, graceful: bool) -> float:
@@ -40,7 +40,7 @@ async def one_trial(cluster: LocalCluster, store: EtcdStore, graceful: bool) -> 
 
 
 async def run(cluster: LocalCluster, trials: int) -> dict[str, list[float]]:
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cluster.cert_dir)
     store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
     out: dict[str, list[float]] = {"kill -9": [], "graceful": []}
     try:

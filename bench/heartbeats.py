@@ -26,7 +26,7 @@ from bench.common import cpu_seconds, pct, temp_cluster
 from controlplane.store import EtcdStore, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
-from kunlun_common.pki import issue, paths_for
+from kunlun_common.pki import etcd_client_paths, issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -34,7 +34,12 @@ MISSED_AFTER_S = 3.0
 
 
 class SimAgent:
+    """A simulated kunlun-agent: registers 8 devices, heartbeats every `period` seconds."""
+
+    period = 1.0
+
     def __init__(self, node: str, endpoint: str, creds: grpc.ChannelCredentials) -> None:
+        self.wlock = asyncio.Lock()  # one write at a time on the stream (heartbeats, reports)
         self.node = node
         self.endpoint = endpoint
         self.creds = creds
@@ -53,6 +58,9 @@ class SimAgent:
                 index=i,
                 model="910B",
                 hbm_memory_mb=32768,
+                supported_dtypes=["fp16", "bf16", "int8"],
+                fp16_tflops=280.0,
+                bf16_tflops=280.0,
                 status=types_pb2.DEVICE_STATUS_READY,
             )
             for i in range(8)
@@ -73,9 +81,7 @@ class SimAgent:
         ]
 
     async def run(self) -> None:
-        async with grpc.aio.secure_channel(
-            self.endpoint, self.creds, options=[("grpc.ssl_target_name_override", "localhost")]
-        ) as ch:
+        async with grpc.aio.secure_channel(self.endpoint, self.creds) as ch:
             call = agent_pb2_grpc.AgentServiceStub(ch).Connect()  # type: ignore[call-arg]
             await call.write(
                 agent_pb2.AgentMessage(
@@ -88,7 +94,7 @@ class SimAgent:
             assert first is not _EOF
             self.registered.set()
             reader = asyncio.create_task(self._read(call))
-            await asyncio.sleep(random.random())  # spread heartbeats over the second
+            await asyncio.sleep(random.random() * self.period)  # spread heartbeats over the period
             seq = 0
             try:
                 while True:
@@ -96,10 +102,13 @@ class SimAgent:
                     self.sent[seq] = time.monotonic()
                     if self.measuring:
                         self.sent_in_window += 1
-                    await call.write(
-                        agent_pb2.AgentMessage(heartbeat=agent_pb2.Heartbeat(seq=seq, samples=self.samples()))
-                    )
-                    await asyncio.sleep(1.0)
+                    async with self.wlock:
+                        await call.write(
+                            agent_pb2.AgentMessage(
+                                heartbeat=agent_pb2.Heartbeat(seq=seq, samples=self.samples())
+                            )
+                        )
+                    await asyncio.sleep(self.period)
             finally:
                 reader.cancel()
 
@@ -217,7 +226,7 @@ async def measure(
         registration_s = time.monotonic() - t0
         print(f"{n} agents registered in {registration_s:.1f}s; warming up 5s ...", flush=True)
         await asyncio.sleep(5)
-        p = paths_for(cluster.cert_dir, "replica", "replica-1")
+        p = etcd_client_paths(cluster.cert_dir)
         store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
         rev0 = await store.revision()
         pids = {name: proc.pid for name, proc in cluster.replicas.items()}

@@ -27,7 +27,7 @@ from devcluster.etcd_cluster import build_etcd_cluster
 from devcluster.procs import wait_for
 from kunlun_common.api import types_pb2, workload_pb2
 from kunlun_common.clock import now_ms
-from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.pki import ClusterCerts, etcd_client_paths, init_cluster_certs
 from kunlun_common.states import InstancePhase
 
 
@@ -150,7 +150,7 @@ async def main_async(
 ) -> dict[str, float]:
     """Prints the figures; returns the raw CAS rates and, per node count, the placement rate."""
     figures: dict[str, float] = {}
-    p = paths_for(cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cert_dir)
     store = EtcdStore(StoreSettings(endpoints, str(p.ca), str(p.cert), str(p.key), request_timeout_s=10.0))
     lease = await store.lease_grant(60)
     res = await store.create(keys.LEADER, keys.encode({"name": "bench"}), lease)

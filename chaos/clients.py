@@ -118,12 +118,7 @@ def api_client(n: int, s: LoadSettings, names: Names, rec: Recorder, stop: threa
     rng = random.Random(s.seed * 1000 + n)
     p = paths_for(s.cert_dir, "operator", "admin")
     creds = channel_credentials(load_tls(p))
-    stubs = [
-        workload_pb2_grpc.WorkloadServiceStub(
-            grpc.secure_channel(e, creds, options=[("grpc.ssl_target_name_override", "localhost")])
-        )
-        for e in s.endpoints
-    ]
+    stubs = [workload_pb2_grpc.WorkloadServiceStub(grpc.secure_channel(e, creds)) for e in s.endpoints]
     while not stop.is_set() and rec.count < s.max_calls:
         name = names.pick()
         kind = rng.choices(["submit", "scale", "get", "delete"], [3, 2, 4, 1])[0]

@@ -19,11 +19,11 @@ from controlplane import keys
 from controlplane.store import EtcdStore, StoreSettings, WatchEvent
 from devcluster.cluster import ClusterSpec, LocalCluster
 from devcluster.procs import wait_for
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import etcd_client_paths
 
 
 async def leader_history(cluster: LocalCluster, since: int) -> list[LeaderWrite]:
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cluster.cert_dir)
     store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
     try:
         end = await store.revision()

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from chaos.netcluster import net_cluster
-from chaos.netns import list_namespaces, remove_all
+from chaos.netns import PREFIX, list_namespaces, remove_all, remove_namespaces
 from controlplane.cli.config import ClientConfig, write_client_config
 from kunlun_common.pki import paths_for
 
@@ -152,8 +152,9 @@ def cmd_up_inside(a: argparse.Namespace) -> int:
 
 
 def cmd_down(a: argparse.Namespace) -> int:
-    removed = remove_all()
-    left = [n for n in list_namespaces() if n.startswith("kunlun-chaos-")]
+    prefix = f"{PREFIX}{a.run_id}-" if a.run_id else PREFIX
+    removed = remove_namespaces([n for n in list_namespaces() if n.startswith(prefix)])
+    left = [n for n in list_namespaces() if n.startswith(prefix)]
     print(f"removed {len(removed)} namespaces" + (f"; could not remove {', '.join(left)}" if left else ""))
     return 1 if left else 0
 
@@ -173,7 +174,8 @@ def main() -> None:
     r.add_argument("--faults", type=int, default=0, help="number of faults (default: the profile's)")
     u = sub.add_parser("up", help="start a cluster on a namespace topology and leave it running")
     u.add_argument("--dir", default=".kunlun-chaos", help="state folder (default .kunlun-chaos)")
-    sub.add_parser("down", help="remove every chaos namespace with its processes and links")
+    dn = sub.add_parser("down", help="remove every chaos namespace with its processes and links")
+    dn.add_argument("--run-id", help="only this run's namespaces (kunlun-chaos-<RUN_ID>-*)")
     d = sub.add_parser("_drive")
     for arg in ("--dir", "--run-id", "--profile", "--report"):
         d.add_argument(arg, required=True)

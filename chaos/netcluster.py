@@ -15,10 +15,11 @@ from pathlib import Path
 import yaml
 
 from chaos.netns import Topology, TopologySettings
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.cluster import ClusterSpec, LocalCluster
 from devcluster.etcd_cluster import build_etcd_cluster
 from devcluster.procs import ManagedProcess, wait_for
-from kunlun_common.pki import create_ca, issue
+from kunlun_common.pki import ETCD_ADMIN, ETCD_CLIENT, ETCD_USER, create_ca, issue
 
 ETCD = ("etcd-1", "etcd-2", "etcd-3")
 REPLICA_PORT = 50051
@@ -70,6 +71,8 @@ class NetCluster(LocalCluster):
                 issue(self.cert_dir, role, h.name, hosts=(h.addr, "localhost"))
         for role, name in (("operator", "admin"), ("viewer", "viewer")):
             issue(self.cert_dir, role, name, hosts=(self.net.addr("client"),))
+        for user in (ETCD_USER, ETCD_ADMIN):  # etcd's own users: replicas, and maintenance
+            issue(self.cert_dir, ETCD_CLIENT, user)
 
     def start_etcd(self, timeout: float = 90.0) -> None:
         if self.etcd_tmpfs_mb:
@@ -93,6 +96,7 @@ class NetCluster(LocalCluster):
         self.etcd.start()
         self.save()
         wait_for(self._etcd_healthy, timeout, "etcd members to form a cluster", interval=0.5)
+        enable_etcd_auth(self.etcd.endpoints, self.cert_dir)
 
     def _proc(self, host: str, argv: list[str], log: Path) -> ManagedProcess:
         return ManagedProcess(host, self.net.exec_argv(host, argv), log)

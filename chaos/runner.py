@@ -42,7 +42,7 @@ from chaos.history import FaultRecord, RunHistory, Sample, read_jsonl
 from chaos.netcluster import NetCluster, net_cluster
 from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import etcd_client_paths
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def drive(base: Path, run_id: str, profile_name: str, seed: int, out: Path, faul
             w.workload.spec.name: ("deleting" if w.workload.deleting else f"r={w.workload.spec.replicas}")
             for w in probe.workloads()
         }
-        certs = paths_for(cluster.cert_dir, "replica", "replica-1")
+        certs = etcd_client_paths(cluster.cert_dir)
         eh = asyncio.run(read_history(list(cluster.etcd.endpoints), certs))
         for row in read_jsonl([base / "load" / "api.jsonl", base / "load" / "serve.jsonl"]):
             h.add(row)

@@ -22,6 +22,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
+from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("nodes")
 
@@ -278,17 +279,29 @@ class NodeSessions:
                 for s in list(self.sessions.values())
                 if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2
             ]
-            results = await asyncio.gather(*(self._refresh(s) for s in live), return_exceptions=True)
+            # spread over the first half of the period: no burst of hundreds of keep-alives at once
+            spread = period / 2 / max(1, len(live))
+            results = await asyncio.gather(
+                *(self._refresh(s, i * spread) for i, s in enumerate(live)), return_exceptions=True
+            )
             failed = sum(1 for r in results if isinstance(r, BaseException) or r is False)
             if failed:
                 log.warning("node lease refresh", refreshed=len(live) - failed, failed=failed)
 
-    async def _refresh(self, s: NodeSession) -> bool:
-        try:
-            ttl = await self.store.lease_keepalive(s.lease)
-        except TemporaryError as e:
-            log.warning("node lease refresh failed", node=s.node, error=str(e))
-            return False
+    async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
+        await asyncio.sleep(after_s)
+        # a failed refresh is retried at once (with jitter), not a whole period later: two missed
+        # periods would withhold the node's heartbeat acks
+        ttl = -1
+        for attempt in range(3):
+            try:
+                ttl = await self.store.lease_keepalive(s.lease)
+                break
+            except TemporaryError as e:
+                if attempt == 2:
+                    log.warning("node lease refresh failed", node=s.node, error=str(e))
+                    return False
+                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
         if ttl > 0:
             s.lease_ok_at = time.monotonic()
             return True

@@ -42,7 +42,6 @@ from kunlun_common.api import (
 )
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
-from kunlun_common.pki import CertPaths
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("replica")
@@ -53,8 +52,10 @@ class Replica:
     def __init__(self, settings: ReplicaSettings) -> None:
         self.settings = settings
         self.etcd_wait_s = settings.etcd_wait_s
-        ca, cert, key = settings.cert_paths()
-        self.tls = tls.load_tls(CertPaths(ca, cert, key), expect_roles=("replica",))
+        own = settings.cert_paths()
+        cert = own.cert
+        self.tls = tls.load_tls(own, expect_roles=("replica",))
+        etcd_paths = settings.etcd_cert_paths()
         if self.tls.identity.name != settings.name:
             raise ConfigError(
                 f"{cert}: certificate is for replica {self.tls.identity.name!r} but this replica is named "
@@ -63,9 +64,9 @@ class Replica:
         self.store = EtcdStore(
             StoreSettings(
                 endpoints=settings.etcd_endpoints,
-                ca_path=str(ca),
-                cert_path=str(cert),
-                key_path=str(key),
+                ca_path=str(etcd_paths.ca),
+                cert_path=str(etcd_paths.cert),
+                key_path=str(etcd_paths.key),
                 server_name=settings.etcd_server_name,
             )
         )

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from controlplane.election import ElectionSettings
 from kunlun_common.errors import ConfigError
+from kunlun_common.pki import CertPaths, etcd_client_paths, paths_for
 
 
 @dataclass(frozen=True)
@@ -16,15 +16,17 @@ class ReplicaSettings:
     name: str
     """Replica name; must equal the CN of its certificate (role `replica`)."""
     cert_dir: str
-    """Certificate folder made by `kunlun-cli certs init` (uses ca.crt and replica/<name>.crt/.key)."""
+    """Certificate folder: ca.crt, replica-ca.crt, replica/<name>.crt/.key, and for etcd
+    etcd-ca.crt and etcd-client/kunlun.crt/.key (`kunlun-cli certs bundle` makes one)."""
     etcd_endpoints: tuple[str, ...]
     """etcd client URLs, e.g. https://127.0.0.1:2379 (all members)."""
     listen: str = "127.0.0.1:50051"
     """host:port the gRPC API listens on (default port 50051)."""
     advertise: str = ""
     """host:port that clients use to reach this replica (default: listen)."""
-    etcd_server_name: str = "localhost"
-    """Name checked against the etcd members' certificates."""
+    etcd_server_name: str = ""
+    """Name checked against the etcd members' certificates; default: the endpoints' host when
+    they share one (members on several hosts need a name that all their certificates carry)."""
     election: ElectionSettings = field(default_factory=ElectionSettings)
     """Leader election timing."""
     node_lease_ttl_s: int = 10
@@ -63,6 +65,10 @@ class ReplicaSettings:
     def advertise_address(self) -> str:
         return self.advertise or self.listen
 
-    def cert_paths(self) -> tuple[Path, Path, Path]:
-        base = Path(self.cert_dir)
-        return base / "ca.crt", base / "replica" / f"{self.name}.crt", base / "replica" / f"{self.name}.key"
+    def cert_paths(self) -> CertPaths:
+        """This replica's own certificate (replica CA) and the cluster CA it trusts for clients."""
+        return paths_for(self.cert_dir, "replica", self.name)
+
+    def etcd_cert_paths(self) -> CertPaths:
+        """The etcd client certificate (CN `kunlun`) and the etcd CA."""
+        return etcd_client_paths(self.cert_dir)

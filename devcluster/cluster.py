@@ -2,7 +2,8 @@
 
 State, logs and pids live under one folder (`.kunlun/` for `make demo`, a temp dir in tests):
 
-    certs/                 CA and every certificate
+    certs/                 every certificate and the CA certificates (CA keys: certs-ca-keys/)
+    bundles/<component>/   what each process receives: its own certificate + the CA certificates
     etcd/<member>/         data dir and log
     replicas/<name>.log    agents/<node>/agent.log + state     cluster.json (pids, ports)
 """
@@ -18,10 +19,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
 from devcluster.procs import ManagedProcess, free_port, pid_alive, stop_all, wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
-from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.pki import ClusterCerts, bundle, etcd_client_paths, init_cluster_certs, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +79,10 @@ class LocalCluster:
     def cert_dir(self) -> Path:
         return self.base / "certs"
 
+    def bundle(self, role: str, name: str) -> Path:
+        """The certificate folder handed to one process: only its own certificate and the CAs."""
+        return bundle(self.cert_dir, self.base / "bundles" / name, role, name)
+
     @property
     def endpoints(self) -> list[str]:
         return list(self.replica_addrs.values())
@@ -104,13 +110,14 @@ class LocalCluster:
         self.etcd.start()
         self.save()
         wait_for(self._etcd_healthy, timeout, "etcd members to form a cluster")
+        enable_etcd_auth(self.etcd.endpoints, self.cert_dir)
 
     def _etcd_healthy(self) -> bool:
         import asyncio
 
         from controlplane.store import EtcdStore, StoreSettings
 
-        p = paths_for(self.cert_dir, "replica", "replica-1")
+        p = etcd_client_paths(self.cert_dir)
 
         async def check() -> bool:
             store = EtcdStore(
@@ -139,7 +146,7 @@ class LocalCluster:
             "controlplane.main",
             f"--name={name}",
             f"--listen={address}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('replica', name)}",
             f"--etcd-endpoints={','.join(self.etcd.endpoints)}",
             f"--election-ttl={s.election_ttl_s}",
             f"--renew-deadline={s.renew_deadline_s}",
@@ -176,7 +183,7 @@ class LocalCluster:
             "node_agent.main",
             f"--config={config}",
             f"--endpoints={','.join(self.endpoints)}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('agent', node)}",
             f"--state-dir={self.base / 'agents' / node}",
             *self.spec.agent_args,
         ]
@@ -204,7 +211,7 @@ class LocalCluster:
             f"--name={name}",
             f"--listen={address}",
             f"--endpoints={','.join(self.endpoints)}",
-            f"--cert-dir={self.cert_dir}",
+            f"--cert-dir={self.bundle('gateway', name)}",
             *self.spec.gateway_args,
         ]
 
@@ -240,7 +247,7 @@ class LocalCluster:
     # ---------------------------------------------------------------- probes
     def channel(self, address: str, role: str = "operator", name: str = "admin") -> grpc.Channel:
         creds = channel_credentials(load_tls(paths_for(self.cert_dir, role, name)))
-        return grpc.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "localhost")])
+        return grpc.secure_channel(address, creds)
 
     def replica_serving(self, name: str) -> bool:
         with self.channel(self.replica_addrs[name]) as ch:

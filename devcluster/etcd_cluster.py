@@ -1,5 +1,10 @@
 """Start a real N-member etcd cluster with TLS everywhere (client-cert auth on clients and peers).
 
+Members trust only the etcd CA (kunlun_common.pki), on the client and the peer port, so no
+agent, gateway, operator or viewer certificate reaches etcd; each member gets a certificate
+folder of its own holding only its certificate and the etcd CA certificate. `start()` followed by
+`controlplane.store.admin.enable_etcd_auth` also turns on etcd's RBAC (users from the client CN).
+
 Auto-compaction (periodic) and a backend space quota are always configured, so history cannot
 grow without bound; watch progress notifications every few seconds let our supervised watches
 notice a silent stream.
@@ -15,7 +20,7 @@ from pathlib import Path
 
 from devcluster.procs import ManagedProcess, free_port
 from kunlun_common.errors import ConfigError
-from kunlun_common.pki import paths_for
+from kunlun_common.pki import ETCD_CA, ETCD_PEER_NAME, bundle, paths_for
 
 
 @dataclass
@@ -91,9 +96,10 @@ def build_etcd_cluster(
     hosts = hosts or ["127.0.0.1"] * len(names)
     initial = ",".join(f"{n}=https://{h}:{pp}" for n, h, (_, pp) in zip(names, hosts, ports, strict=True))
     cluster = EtcdCluster()
-    ca = cert_dir / "ca.crt"
     for name, host, (cp, pp) in zip(names, hosts, ports, strict=True):
-        certs = paths_for(cert_dir, "etcd", name)
+        own = bundle(cert_dir, base_dir / name / "certs", "etcd", name)
+        certs = paths_for(own, "etcd", name)
+        ca = own / ETCD_CA
         data_dir = base_dir / name / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = [
@@ -115,6 +121,7 @@ def build_etcd_cluster(
             f"--peer-key-file={certs.key}",
             f"--peer-trusted-ca-file={ca}",
             "--peer-client-cert-auth",
+            f"--peer-cert-allowed-hostname={ETCD_PEER_NAME}",
             "--auto-compaction-mode=periodic",
             f"--auto-compaction-retention={compaction_retention}",
             f"--quota-backend-bytes={quota_bytes}",

@@ -118,7 +118,7 @@ class ControlPlaneFeed:
             ep,
             self.creds,
             options=[
-                ("grpc.ssl_target_name_override", self.settings.server_name),
+                # no name override: the replica's certificate must carry the endpoint's host
                 ("grpc.keepalive_time_ms", 10000),
                 ("grpc.keepalive_timeout_ms", 3000),
             ],

@@ -33,8 +33,6 @@ class GatewaySettings:
     """Replica addresses host:port (all of them: the gateway fails over between them)."""
     cert_dir: str = ""
     """Certificate folder from `kunlun-cli certs init` (uses ca.crt and gateway/<name>.crt/.key)."""
-    server_name: str = "localhost"
-    """Name checked against the replicas' certificates."""
     static_endpoints: tuple[str, ...] = ()
     """Without a control plane (benchmarks, local tests): WORKLOAD=HOST:PORT entries."""
     tls_cert: str = ""

@@ -1,12 +1,26 @@
-"""Certificates for a cluster: one CA plus a certificate per process, role in the subject.
+"""Certificates for a cluster: three CAs, a certificate per process, role in the subject.
 
 Identity and role come only from the peer certificate: the subject's CN is the identity (a node
-name for agents) and its OU is the role. Layout of a certificate folder (one for every binary):
+name for agents) and its OU is the role. Three CAs keep trust boundaries apart (as Kubernetes
+keeps a separate etcd CA):
 
-    DIR/ca.crt  DIR/ca.key
-    DIR/<role>/<name>.crt  DIR/<role>/<name>.key     role in ROLES
+- the cluster CA (`ca.crt`) issues agent, gateway, operator and viewer certificates;
+- the replica CA (`replica-ca.crt`) issues replica certificates only, so an agent, gateway or CLI
+  that trusts only it for servers can never be talked to by anything but a replica;
+- the etcd CA (`etcd-ca.crt`) issues the etcd members' server/peer certificates and the etcd
+  client certificates (`etcd-client/kunlun`, `etcd-client/kunlun-admin`) that only replicas and
+  the administrator hold; etcd trusts nothing else.
 
-`kunlun-cli certs init DIR` writes a whole folder; `kunlun-cli certs issue` adds one certificate.
+Layout of a certificate folder (`kunlun-cli certs init DIR`):
+
+    DIR/ca.crt  DIR/replica-ca.crt  DIR/etcd-ca.crt
+    DIR/<role>/<name>.crt  DIR/<role>/<name>.key          role in ROLES
+    DIR/etcd-client/kunlun.crt|key  DIR/etcd-client/kunlun-admin.crt|key
+
+The CA private keys are written apart, to `DIR-ca-keys/` (mode 0700), never into DIR: copy DIR's
+certificates to the hosts, keep `DIR-ca-keys/` on the machine where certificates are made.
+`bundle()` copies one component's own certificate plus the CA certificates it needs into a
+folder of its own, which is what a launcher hands each process.
 """
 
 from __future__ import annotations
@@ -14,8 +28,9 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -26,8 +41,36 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from kunlun_common.errors import ConfigError
 
 ROLES = ("etcd", "replica", "agent", "gateway", "operator", "viewer")
+SERVER_ROLES = ("etcd", "replica", "agent", "gateway")
+"""Roles whose certificates also serve (server usage and host SANs); the rest are clients only."""
 ORG = "kunlun-platform"
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_DAYS = 90
+"""Lifetime of an issued certificate; `cluster status` warns 30 days before expiry."""
+CA_DAYS = 3650
+
+CLUSTER_CA = "ca.crt"
+REPLICA_CA = "replica-ca.crt"
+ETCD_CA = "etcd-ca.crt"
+CA_NAMES = {CLUSTER_CA: "kunlun-ca", REPLICA_CA: "kunlun-replica-ca", ETCD_CA: "kunlun-etcd-ca"}
+"""CA certificate file -> the CA's common name."""
+ETCD_CLIENT = "etcd-client"
+ETCD_USER = "kunlun"
+"""etcd user (= CN of the replicas' etcd client certificate); its role covers the cluster prefix."""
+ETCD_ADMIN = "kunlun-admin"
+ETCD_PEER_NAME = "etcd-peer.kunlun"
+"""A SAN on every etcd member certificate; members accept peers only with it
+(`--peer-cert-allowed-hostname`), so an etcd client certificate cannot speak raft."""
+"""etcd user with the root role, for snapshot, defragmentation and member changes only."""
+
+
+def issuer_file(role: str) -> str:
+    """The CA certificate file that issues certificates of `role`."""
+    if role in ("etcd", ETCD_CLIENT):
+        return ETCD_CA
+    if role == "replica":
+        return REPLICA_CA
+    return CLUSTER_CA
 
 
 @dataclass(frozen=True)
@@ -35,17 +78,32 @@ class CertPaths:
     """Where one process finds its CA, certificate and key."""
 
     ca: Path
-    """The cluster CA certificate that every peer must be signed by."""
+    """The CA that issues the certificates of this process's clients (the cluster CA; the etcd CA
+    for etcd members and etcd clients)."""
     cert: Path
     """This process's certificate (PEM)."""
     key: Path
     """This process's private key (PEM, mode 0600)."""
+    replica_ca: Path | None = None
+    """The replica CA; default: `replica-ca.crt` beside `ca`."""
 
 
 def paths_for(cert_dir: str | os.PathLike[str], role: str, name: str) -> CertPaths:
     """The conventional paths of `name`'s certificate with `role` inside a certificate folder."""
     base = Path(cert_dir)
-    return CertPaths(base / "ca.crt", base / role / f"{name}.crt", base / role / f"{name}.key")
+    ca = base / (ETCD_CA if role in ("etcd", ETCD_CLIENT) else CLUSTER_CA)
+    return CertPaths(ca, base / role / f"{name}.crt", base / role / f"{name}.key", base / REPLICA_CA)
+
+
+def etcd_client_paths(cert_dir: str | os.PathLike[str], user: str = ETCD_USER) -> CertPaths:
+    """A replica's (or the administrator's) etcd client certificate."""
+    return paths_for(cert_dir, ETCD_CLIENT, user)
+
+
+def ca_key_dir(cert_dir: str | os.PathLike[str]) -> Path:
+    """Where `certs init DIR` keeps the CA private keys: beside DIR, never inside it."""
+    base = Path(cert_dir)
+    return base.parent / f"{base.name}-ca-keys"
 
 
 def _now() -> dt.datetime:
@@ -67,42 +125,70 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def create_ca(cert_dir: str | os.PathLike[str], days: int = 3650) -> None:
-    """Create DIR/ca.crt and DIR/ca.key unless they exist."""
+def _ca_key_path(cert_dir: Path, ca_file: str) -> Path:
+    return ca_key_dir(cert_dir) / ca_file.replace(".crt", ".key")
+
+
+def create_ca(cert_dir: str | os.PathLike[str], days: int = CA_DAYS) -> None:
+    """Create the three CAs (certificates in DIR, keys in `ca_key_dir(DIR)`) unless they exist."""
     base = Path(cert_dir)
-    if (base / "ca.crt").exists() and (base / "ca.key").exists():
-        return
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORG),
-            x509.NameAttribute(NameOID.COMMON_NAME, "kunlun-ca"),
-        ]
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - dt.timedelta(minutes=5))
-        .not_valid_after(_now() + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+    keys = ca_key_dir(base)
+    keys.mkdir(parents=True, exist_ok=True)
+    os.chmod(keys, 0o700)
+    for ca_file, cn in CA_NAMES.items():
+        if (base / ca_file).exists() and _ca_key_path(base, ca_file).exists():
+            continue
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name(
+            [x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORG), x509.NameAttribute(NameOID.COMMON_NAME, cn)]
         )
-        .sign(key, hashes.SHA256())
-    )
-    _write_key(base / "ca.key", key)
-    _write_cert(base / "ca.crt", cert)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(_now() - dt.timedelta(minutes=5))
+            .not_valid_after(_now() + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+            .sign(key, hashes.SHA256())
+        )
+        _write_key(_ca_key_path(base, ca_file), key)
+        _write_cert(base / ca_file, cert)
 
 
-def _load_ca(base: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    ca_cert = x509.load_pem_x509_certificate((base / "ca.crt").read_bytes())
-    ca_key = serialization.load_pem_private_key((base / "ca.key").read_bytes(), password=None)
+def _load_ca(base: Path, ca_file: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key_path = _ca_key_path(base, ca_file)
+    try:
+        ca_cert = x509.load_pem_x509_certificate((base / ca_file).read_bytes())
+        ca_key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{e.filename} does not exist; issue certificates on the machine that ran `kunlun-cli certs init "
+            f"{base}` (the CA keys live in {ca_key_dir(base)})"
+        ) from None
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ConfigError(f"{base / 'ca.key'}: expected an EC private key")
+        raise ConfigError(f"{key_path}: expected an EC private key")
     return ca_cert, ca_key
+
+
+def _sans(names: Iterable[str]) -> list[x509.GeneralName]:
+    sans: list[x509.GeneralName] = []
+    for h in dict.fromkeys(names):
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    return sans
+
+
+def _san_names(role: str, name: str, hosts: Iterable[str]) -> list[str]:
+    if role not in SERVER_ROLES:
+        return [name]
+    return [*hosts, name, *((ETCD_PEER_NAME,) if role == "etcd" else ())]
 
 
 def issue(
@@ -110,49 +196,47 @@ def issue(
     role: str,
     name: str,
     hosts: Iterable[str] = DEFAULT_HOSTS,
-    days: int = 825,
+    days: int = DEFAULT_DAYS,
     not_before: dt.datetime | None = None,
     not_after: dt.datetime | None = None,
     overwrite: bool = False,
 ) -> CertPaths:
-    """Issue `name`'s certificate for `role`, signed by the folder's CA (server and client usage)."""
-    if role not in ROLES:
+    """Issue `name`'s certificate for `role`, signed by the CA for that role (see issuer_file).
+
+    Server roles get server and client usage and `hosts` plus `name` as SANs; operator, viewer and
+    etcd-client certificates are client-only and carry no host names.
+    """
+    if role not in (*ROLES, ETCD_CLIENT):
         raise ConfigError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
     base = Path(cert_dir)
     paths = paths_for(base, role, name)
     if paths.cert.exists() and paths.key.exists() and not overwrite:
         return paths
-    ca_cert, ca_key = _load_ca(base)
+    ca_cert, ca_key = _load_ca(base, issuer_file(role))
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = []
-    for h in dict.fromkeys([*hosts, name]):
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            sans.append(x509.DNSName(h))
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORG),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
-            x509.NameAttribute(NameOID.COMMON_NAME, name),
-        ]
-    )
+    server = role in SERVER_ROLES
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORG)]
+    if role != ETCD_CLIENT:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, name))
     start = not_before or (_now() - dt.timedelta(minutes=5))
     end = not_after or (_now() + dt.timedelta(days=days))
+    usages = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
     cert = (
         x509.CertificateBuilder()
-        .subject_name(subject)
+        .subject_name(x509.Name(attrs))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
+        .add_extension(x509.SubjectAlternativeName(_sans(_san_names(role, name, hosts))), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     _write_key(paths.key, key)
@@ -177,11 +261,13 @@ class ClusterCerts:
     viewers: tuple[str, ...] = ("viewer",)
     """Viewer identities (read only)."""
     hosts: tuple[str, ...] = DEFAULT_HOSTS
-    """Extra SANs (addresses and host names) for every server certificate."""
+    """SANs (addresses and host names) of every server certificate that has none of its own."""
+    host_map: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per-certificate SANs: name -> that host's real names and addresses (replaces `hosts`)."""
 
 
 def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = ClusterCerts()) -> list[Path]:
-    """Create (idempotently) the CA and every certificate named by `spec`; return the cert paths."""
+    """Create (idempotently) the CAs and every certificate named by `spec`; return the cert paths."""
     create_ca(cert_dir)
     out: list[Path] = []
     for role, names in (
@@ -191,7 +277,33 @@ def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = Cl
         ("gateway", spec.gateways),
         ("operator", spec.operators),
         ("viewer", spec.viewers),
+        (ETCD_CLIENT, (ETCD_USER, ETCD_ADMIN)),
     ):
         for name in names:
-            out.append(issue(cert_dir, role, name, hosts=spec.hosts).cert)
+            out.append(issue(cert_dir, role, name, hosts=spec.host_map.get(name, spec.hosts)).cert)
+    return out
+
+
+def bundle(cert_dir: str | os.PathLike[str], dest: str | os.PathLike[str], role: str, name: str) -> Path:
+    """Copy into `dest` only what one process needs: its own certificate and key, the CA
+    certificates it trusts, and for a replica its etcd client certificate (never a CA key, never
+    another process's key, never the etcd admin certificate). Returns `dest`, a folder laid out
+    like a `certs init` folder, so `--cert-dir=dest` works."""
+    src, out = Path(cert_dir), Path(dest)
+    files = [
+        f"{role}/{name}.crt",
+        f"{role}/{name}.key",
+        *((ETCD_CA,) if role == "etcd" else (CLUSTER_CA, REPLICA_CA)),
+    ]
+    if role == "replica":
+        files += [ETCD_CA, f"{ETCD_CLIENT}/{ETCD_USER}.crt", f"{ETCD_CLIENT}/{ETCD_USER}.key"]
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    for rel in files:
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(src / rel, tmp)
+        os.chmod(tmp, 0o600 if rel.endswith(".key") else 0o644)
+        os.replace(tmp, target)
     return out

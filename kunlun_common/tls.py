@@ -15,7 +15,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from kunlun_common.errors import ConfigError
-from kunlun_common.pki import ROLES, CertPaths
+from kunlun_common.pki import CA_NAMES, REPLICA_CA, ROLES, CertPaths
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,23 @@ class TlsMaterial:
     key: bytes
     identity: Identity
     paths: CertPaths
+    replica_ca: bytes = b""
+    """The replica CA certificate (empty when the folder has none)."""
 
 
 def identity_of(cert: x509.Certificate) -> Identity:
-    """Identity and role from a certificate's subject (CN and OU)."""
+    """Identity and role from a certificate's subject (CN and OU).
+
+    The role `replica` counts only on a certificate issued by the replica CA, and no other role
+    counts on one: a cluster-CA certificate that calls itself a replica has no role (empty)."""
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    issuers = cert.issuer.get_attributes_for_oid(NameOID.COMMON_NAME)
     name = str(cns[0].value) if cns else ""
     role = str(ous[0].value) if ous else ""
+    by_replica_ca = bool(issuers) and str(issuers[0].value) == CA_NAMES[REPLICA_CA]
+    if (role == "replica") != by_replica_ca:
+        role = ""
     return Identity(name=name, role=role)
 
 
@@ -90,11 +99,16 @@ def load_tls(
         raise ConfigError(
             f"certificate {paths.cert} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
         )
+    replica_ca_path = paths.replica_ca or paths.ca.with_name(REPLICA_CA)
+    replica_ca_pem = replica_ca_path.read_bytes() if replica_ca_path.exists() else b""
+    issuer_path = paths.ca
+    if f"CN={CA_NAMES[REPLICA_CA]}" in cert.issuer.rfc4514_string() and replica_ca_pem:
+        ca, issuer_path = x509.load_pem_x509_certificate(replica_ca_pem), replica_ca_path
     try:
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, Exception) as e:  # InvalidSignature has no common base
         raise ConfigError(
-            f"certificate {paths.cert} was not issued by the CA {paths.ca} ({type(e).__name__}); "
+            f"certificate {paths.cert} was not issued by the CA {issuer_path} ({type(e).__name__}); "
             "use certificates from the same `certs init` folder"
         ) from None
     ident = identity_of(cert)
@@ -107,20 +121,37 @@ def load_tls(
             f"certificate {paths.cert} is for role {ident.role!r} ({ident.name}); this process needs "
             f"a certificate with role {' or '.join(expect_roles)}"
         )
-    return TlsMaterial(ca=ca_pem, cert=cert_pem, key=key_pem, identity=ident, paths=paths)
-
-
-def server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
-    """Server credentials that require and verify a client certificate (mTLS)."""
-    return grpc.ssl_server_credentials(
-        [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+    return TlsMaterial(
+        ca=ca_pem, cert=cert_pem, key=key_pem, identity=ident, paths=paths, replica_ca=replica_ca_pem
     )
 
 
-def channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
-    """Client credentials presenting our certificate and trusting only the cluster CA."""
+def _replica_ca(tls: TlsMaterial) -> bytes:
+    if not tls.replica_ca:
+        raise ConfigError(
+            f"no replica CA ({REPLICA_CA}) beside {tls.paths.ca}; copy it from the `kunlun-cli certs init` folder"
+        )
+    return tls.replica_ca
+
+
+def server_credentials(tls: TlsMaterial, clients: str = "any") -> grpc.ServerCredentials:
+    """Server credentials that require and verify a client certificate (mTLS).
+
+    clients="any": certificates of the cluster CA and of the replica CA (a replica's API);
+    clients="replica": replica certificates only (an agent's NodeService)."""
+    roots = _replica_ca(tls) if clients == "replica" else tls.ca + tls.replica_ca
+    return grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)], root_certificates=roots, require_client_auth=True
+    )
+
+
+def channel_credentials(tls: TlsMaterial, server_role: str = "replica") -> grpc.ChannelCredentials:
+    """Client credentials presenting our certificate and trusting only servers of `server_role`:
+    "replica" trusts the replica CA alone, so no agent, gateway or user certificate can pose as a
+    replica; "agent" trusts the cluster CA (the caller also checks the node's name)."""
+    roots = _replica_ca(tls) if server_role == "replica" else tls.ca
     return grpc.ssl_channel_credentials(
-        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        root_certificates=roots, private_key=tls.key, certificate_chain=tls.cert
     )
 
 

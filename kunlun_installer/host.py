@@ -290,7 +290,7 @@ def install(paths: Paths, bundle: Bundle, req: InstallRequest) -> None:
             f"version {state['current']} is installed, the bundle is {bundle.version}",
             "use upgrade",
         )
-    ca_keys = [p for p in req.certs.rglob("*.key") if p.name.startswith("ca")]
+    ca_keys = [p for p in req.certs.rglob("*.key") if p.name.endswith("ca.key")]
     if ca_keys:
         raise InstallError(
             "certificates",

@@ -132,7 +132,6 @@ class Agent:
             heartbeat_interval_s=settings.heartbeat_interval_s,
             ack_timeout_s=settings.ack_timeout_s,
             connect_timeout_s=settings.connect_timeout_s,
-            server_name=settings.server_name,
             on_assignments=self.executor.assign,
             reports=self.executor.report,
             report_changed=self.executor.changed,

@@ -24,6 +24,7 @@ from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
+from node_agent.assignment_check import safe_assignments
 
 log = structlog.get_logger("link")
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -43,7 +44,6 @@ class ReplicaLink:
         heartbeat_interval_s: float = 1.0,
         ack_timeout_s: float = 3.0,
         connect_timeout_s: float = 5.0,
-        server_name: str = "localhost",
         on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
@@ -55,7 +55,6 @@ class ReplicaLink:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.ack_timeout_s = ack_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self.server_name = server_name
         self.on_assignments = on_assignments
         self.reports = reports
         self.report_changed = report_changed
@@ -94,7 +93,8 @@ class ReplicaLink:
             ep,
             self.creds,
             options=[
-                ("grpc.ssl_target_name_override", self.server_name),
+                # no name override: the replica's certificate must carry the endpoint's host, and
+                # only the replica CA is trusted (tls.channel_credentials)
                 ("grpc.keepalive_time_ms", 10000),
                 ("grpc.keepalive_timeout_ms", 3000),
             ],
@@ -191,7 +191,7 @@ class ReplicaLink:
                 )
                 if self.on_assignments is not None:
                     try:
-                        self.on_assignments(msg.assignments)
+                        self.on_assignments(safe_assignments(msg.assignments))
                     except Exception:  # the stream must survive a bad handler
                         log.exception("handling assignments failed")
 

@@ -2,7 +2,7 @@
 
 mTLS with the agent's certificate (its SANs: the node name, 127.0.0.1, localhost; replicas dial the
 advertised `RegisterNode.node_service` address and check the node name). A caller must present a
-certificate signed by the cluster CA with role `replica`; anything else is refused.
+certificate of the replica CA (role `replica`): the TLS layer trusts no other issuer; anything else is refused.
 
 `Logs(instance_id, tail, follow)`: the engine's lines from the supervisor's rotating log files
 (`executor/logfiles.py`): the last `tail` lines (0: all kept), then, with `follow`, every new line
@@ -23,6 +23,7 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import ConfigError
+from node_agent.assignment_check import id_problem
 from node_agent.executor import ledger
 from node_agent.executor.logfiles import LogFollower, LogSettings
 
@@ -61,6 +62,9 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"{ident or 'a caller without certificate'} may not read logs on node {self.node} "
                 f"(allowed roles: {', '.join(ALLOWED_ROLES)})",
             )
+        problem = id_problem("instance_id", request.instance_id)
+        if problem:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         d = self.instance_dir(request.instance_id)
         if d is None:
             await _abort(
@@ -136,7 +140,7 @@ class NodeServiceServer:
         server = grpc.aio.server()
         agent_pb2_grpc.add_NodeServiceServicer_to_server(self.servicer, server)
         try:
-            port = server.add_secure_port(listen, tls.server_credentials(self.material))
+            port = server.add_secure_port(listen, tls.server_credentials(self.material, clients="replica"))
         except RuntimeError as e:
             raise ConfigError(f"node service: cannot listen on {listen} ({e}); is the port in use?") from None
         if not port:

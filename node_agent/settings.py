@@ -72,8 +72,6 @@ class AgentSettings:
     """A replica that does not acknowledge a heartbeat within this long is left for the next."""
     connect_timeout_s: float = 5.0
     """Deadline for connecting and registering with one replica."""
-    server_name: str = "localhost"
-    """Name checked against the replicas' certificates."""
     node_service_listen: str = ""
     """host:port the agent's NodeService (instance logs, for replicas) listens on; empty: the node's
     address and a free port."""

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.store.admin import enable_etcd_auth
 from devcluster.cluster import ClusterSpec, LocalCluster
 from devcluster.etcd_cluster import EtcdCluster, build_etcd_cluster
 from devcluster.procs import wait_for
-from kunlun_common.pki import ClusterCerts, init_cluster_certs, paths_for
+from kunlun_common.pki import ClusterCerts, etcd_client_paths, init_cluster_certs
 
 FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
@@ -36,7 +37,7 @@ def cert_dir(tmp_base: Path) -> Path:
 
 
 def store_settings(cert_dir: Path, endpoints: tuple[str, ...], **kw: float) -> StoreSettings:
-    p = paths_for(cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cert_dir)
     return StoreSettings(endpoints, str(p.ca), str(p.cert), str(p.key), **kw)  # type: ignore[arg-type]
 
 
@@ -59,6 +60,7 @@ def etcd(tmp_base: Path, cert_dir: Path) -> Iterator[EtcdCluster]:
     cluster.start()
     try:
         wait_for(lambda: _etcd_ready(cert_dir, cluster.endpoints), 60, "etcd cluster")
+        enable_etcd_auth(cluster.endpoints, cert_dir)
         yield cluster
     finally:
         cluster.stop()
@@ -74,8 +76,8 @@ async def store(etcd: EtcdCluster, cert_dir: Path) -> AsyncIterator[EtcdStore]:
 
 @pytest.fixture
 def prefix() -> str:
-    """A key prefix of this test's own."""
-    return f"/test/{uuid.uuid4().hex[:12]}/"
+    """A key prefix of this test's own (under the cluster prefix that etcd's `kunlun` role may use)."""
+    return f"/kunlun/test/{uuid.uuid4().hex[:12]}/"
 
 
 @pytest.fixture(autouse=True)

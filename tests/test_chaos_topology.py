@@ -18,7 +18,6 @@ WHY = available()
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"network namespaces unavailable: {WHY}")
 
 SERVER = "import http.server,sys; http.server.HTTPServer((sys.argv[1], 8000), http.server.SimpleHTTPRequestHandler).serve_forever()"
-FETCH = "import urllib.request,sys; urllib.request.urlopen(f'http://{sys.argv[1]}:8000/', timeout=1.5); print('ok')"
 
 
 def run_id() -> str:
@@ -36,11 +35,10 @@ def topo() -> Iterator[Topology]:
 
 
 def reaches(t: Topology, src: str, dst: str) -> bool:
+    """A TCP connection from src to dst's server completes within 1.5 s."""
+    probe = f"exec 3<>/dev/tcp/{t.addr(dst)}/8000 && echo ok"
     p = subprocess.run(
-        t.exec_argv(src, [sys.executable, "-c", FETCH, t.addr(dst)]),
-        capture_output=True,
-        text=True,
-        timeout=20,
+        t.exec_argv(src, ["timeout", "1.5", "bash", "-c", probe]), capture_output=True, text=True, timeout=20
     )
     return p.stdout.strip() == "ok"
 
@@ -93,11 +91,22 @@ def test_kunlun_chaos_down_removes_a_crashed_runs_namespaces_and_processes() -> 
     t = Topology(TopologySettings(run_id(), ("alpha",), "10.213.9"))
     t.up()
     orphan = subprocess.Popen(t.exec_argv("alpha", ["sleep", "300"]))
-    out = subprocess.run(
-        [sys.executable, "-m", "chaos.main", "down"], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    assert "removed" in out
-    assert not [n for n in list_namespaces() if n.startswith(PREFIX) and n.startswith(t.prefix)]
+    other = Topology(TopologySettings(run_id(), ("alpha",), "10.213.10"))
+    other.up()  # another run's topology: `down --run-id` leaves it alone
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "chaos.main", "down", f"--run-id={t.settings.run_id}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "removed 3 namespaces" in out
+        assert not [n for n in list_namespaces() if n.startswith(t.prefix)]
+        assert set(other.namespaces()) <= set(list_namespaces())
+    finally:
+        other.down()
+    assert not [n for n in list_namespaces() if n.startswith(PREFIX) and n.startswith(other.prefix)]
     assert orphan.wait(10) == -9
 
 

@@ -396,7 +396,7 @@ def test_node_service_serves_replicas_only(cluster: LocalCluster) -> None:
         ("operator", "admin", False),
         ("agent", "node-b", False),
     ):
-        creds = channel_credentials(load_tls(paths_for(cluster.cert_dir, role, name)))
+        creds = channel_credentials(load_tls(paths_for(cluster.cert_dir, role, name)), server_role="agent")
         with grpc.secure_channel(
             node.node_service, creds, options=[("grpc.ssl_target_name_override", "node-a")]
         ) as ch:
@@ -405,11 +405,12 @@ def test_node_service_serves_replicas_only(cluster: LocalCluster) -> None:
                 assert len([line for c in stub.Logs(req, timeout=10) for line in c.lines]) == 5
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.Logs(agent_pb2.LogsRequest(instance_id="../etc"), timeout=10))
-                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             else:
                 with pytest.raises(grpc.RpcError) as e:
                     list(stub.Logs(req, timeout=10))
-                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, role
+                # the NodeService trusts only the replica CA: refused in the TLS handshake
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, role
 
 
 def test_agent_killed_and_restarted_adopts_its_engines(cluster: LocalCluster) -> None:

@@ -237,7 +237,7 @@ def test_a_ca_private_key_never_reaches_a_host(bundle_dir: Path, certs: Path, tm
     paths = new_host(tmp_path)
     with_key = tmp_path / "certs"
     shutil.copytree(certs, with_key)
-    (with_key / "ca.key").write_text("secret")
+    (with_key / "replica-ca.key").write_text("secret")
     r = installer(
         "install", "--role", "control-plane", "--config", replica_yaml(tmp_path, certs), "--certs", with_key,
         "--user", "root", bundle=bundle_dir, paths=paths,

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from controlplane.store import EtcdStore
+from controlplane.store.leases import LeaseKeeper
 from kunlun_common.errors import TemporaryError
 
 
@@ -19,8 +20,7 @@ async def test_a_timed_out_refresh_fails_alone(store: EtcdStore) -> None:
     leases = [await store.lease_grant(30) for _ in range(20)]
     try:
         assert await store.lease_keepalive(leases[0]) > 0  # the stream is open
-        keeper = store._keeper
-        assert keeper is not None
+        keeper = LeaseKeeper(store._lease, 2.0, streams=1)  # every lease on one stream
         hurried = asyncio.create_task(keeper.refresh(leases[0], timeout_s=0.0001))
         others = [asyncio.create_task(keeper.refresh(lease)) for lease in leases[1:]]
         with pytest.raises(TemporaryError, match="did not answer the keep-alive"):
@@ -28,7 +28,8 @@ async def test_a_timed_out_refresh_fails_alone(store: EtcdStore) -> None:
         ttls = await asyncio.gather(*others)
         assert all(ttl > 0 for ttl in ttls), ttls  # every other refresh in flight was answered
         assert keeper.timeouts == 1 and keeper.resent == 0
-        assert await store.lease_keepalive(leases[0]) > 0  # and refreshing goes on
+        assert await keeper.refresh(leases[0]) > 0  # and refreshing goes on
     finally:
+        await keeper.close()
         for lease in leases:
             await store.lease_revoke(lease)

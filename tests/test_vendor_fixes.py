@@ -178,3 +178,24 @@ def test_gb10_memory_unavailable_in_probe_output(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "index 0: model 'NVIDIA GB10', memory unavailable (declared size unchecked), health OK" in r.stdout
     assert "accepted unchecked" in r.stdout.split("step 5")[1]  # the table's reason column
+
+
+def test_ascend_runs_info_m_again_only_when_the_chips_change(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    calls = tmp_path / "calls"
+    fake_tool(
+        bin_dir,
+        "npu-smi",
+        [
+            Reply(["info"], fixture("npu-smi_310_21.0.4_device-ids.txt")),
+            Reply(["info", "-m"], fixture("npu-smi_info-m_310_21.0.4.txt")),
+        ],
+    )
+    real = bin_dir / "npu-smi"
+    real.rename(bin_dir / "npu-smi-real")
+    real.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {bin_dir / "npu-smi-real"} "$@"\n')
+    real.chmod(0o755)
+    adapter = AscendAdapter(env=env_for(bin_dir))
+    for _ in range(3):
+        assert [(d.index, d.node_id) for d in adapter.discover()] == [(0, 3), (1, 4), (2, 5), (3, 6)]
+    assert calls.read_text().splitlines() == ["info", "info -m", "info", "info"]

@@ -398,3 +398,24 @@ async def test_scheduler_views_are_rebuilt_only_for_changed_nodes() -> None:
         assert graph_snapshot(decode_state(r.cache.kvs, r.cache.revision)) == second  # same as a full decode
     finally:
         await r.close()
+
+
+async def test_resync_rebuilds_indexes_and_revision_waiters_wake() -> None:
+    """After a compaction the cache is re-listed: indexes rebuilt, streams told, waiters woken."""
+    r = Replica(20)
+    try:
+        await r.settle()
+        r.drain()
+        target = r.cache.revision + 5
+        waiter = asyncio.create_task(r.cache.wait_for_revision(target, 30))
+        kvs = [kv for kv in r.cache.kvs.values() if kv.key != keys.instance("w1-3")]
+        r.cache.load(kvs, target)  # a Resync: w1-3 is gone
+        assert await waiter
+        await r.settle()
+        assert r.sent() == {name(3): 1}  # only node 3's set changed
+        msg = r.queues[name(3)].get_nowait()
+        assert msg is not None and list(msg.assignments.items) == []
+        assert "w1-3" not in r.state.current().instances
+        assert not await r.cache.wait_for_revision(target + 1, 0.05)  # not there yet: False, no hang
+    finally:
+        await r.close()

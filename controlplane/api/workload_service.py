@@ -156,7 +156,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         address = self.feeds.node_service(inst.node)
         if not address:
             raise TemporaryError(f"node {inst.node} does not serve logs (agent too old or not connected)")
-        creds = channel_credentials(self.tls)
+        # the agent's NodeService must present the certificate of this node (cluster CA, the node's
+        # name in its SANs): the name checked is the node's, not the address's
+        creds = channel_credentials(self.tls, server_role="agent")
         async with grpc.aio.secure_channel(
             address, creds, options=[("grpc.ssl_target_name_override", inst.node)]
         ) as ch:

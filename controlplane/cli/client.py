@@ -28,14 +28,13 @@ class Client:
 
         self.cfg = cfg
         self.timeout_s = timeout_s
-        self.tls: TlsMaterial = load_tls(CertPaths(Path(cfg.ca), Path(cfg.cert), Path(cfg.key)))
+        replica_ca = Path(cfg.replica_ca) if cfg.replica_ca else None
+        self.tls: TlsMaterial = load_tls(CertPaths(Path(cfg.ca), Path(cfg.cert), Path(cfg.key), replica_ca))
         self.creds = channel_credentials(self.tls)
         self.answered_by = ""
 
     def channel(self, endpoint: str) -> grpc.Channel:
-        return grpc.secure_channel(
-            endpoint, self.creds, options=[("grpc.ssl_target_name_override", self.cfg.server_name)]
-        )
+        return grpc.secure_channel(endpoint, self.creds)
 
     def call(self, fn: Callable[[cluster_pb2_grpc.ClusterServiceStub], Callable[..., T]], request: Any) -> T:
         """Call a ClusterService method on the first replica that answers."""

@@ -4,7 +4,7 @@ endpoints: [127.0.0.1:50051, 127.0.0.1:50052, 127.0.0.1:50053]
 ca: /path/certs/ca.crt
 cert: /path/certs/operator/admin.crt
 key: /path/certs/operator/admin.key
-server_name: localhost        # optional
+replica_ca: /path/certs/replica-ca.crt   # optional: default replica-ca.crt beside ca
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class ClientConfig:
     """The operator's (or viewer's) certificate."""
     key: str
     """Its private key."""
-    server_name: str = "localhost"
-    """Name checked against the replicas' certificates."""
+    replica_ca: str = ""
+    """The replica CA: the only issuer trusted for replicas (default: replica-ca.crt beside `ca`).
+    Each replica's certificate must carry the host of its endpoint."""
 
 
 def default_path() -> Path:
@@ -50,7 +51,7 @@ def write_client_config(path: Path, cfg: ClientConfig) -> None:
         "ca": cfg.ca,
         "cert": cfg.cert,
         "key": cfg.key,
-        "server_name": cfg.server_name,
+        **({"replica_ca": cfg.replica_ca} if cfg.replica_ca else {}),
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -46,7 +46,7 @@ def make_client(args: argparse.Namespace) -> Client:
         raise CliError(str(e)) from None
     if args.endpoints:
         eps = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
-        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, server_name=cfg.server_name)
+        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, replica_ca=cfg.replica_ca)
     return Client(cfg, timeout_s=args.timeout)
 
 

@@ -45,7 +45,7 @@ from kunlun_common.states import PLACED, DeviceState
 log = structlog.get_logger("scheduler")
 COMMITS_IN_FLIGHT = 16
 MAX_REASON_NODES = 32
-DEBOUNCE_S = 0.02  # coalesce a burst of watch events into one tick
+DEBOUNCE_S = 0.1  # coalesce a burst of watch events (a registration storm) into one tick
 MAX_NOTES_PER_TICK = 512  # explanations of unplaced instances written per tick (placements go first)
 
 

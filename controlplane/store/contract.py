@@ -20,13 +20,15 @@ class StoreSettings:
     endpoints: tuple[str, ...]
     """etcd client URLs or host:port pairs, e.g. ("https://127.0.0.1:2379", ...)."""
     ca_path: str
-    """CA that signed the etcd members' certificates."""
+    """The etcd CA (`etcd-ca.crt`): only certificates it issued are trusted as etcd members."""
     cert_path: str
-    """Client certificate presented to etcd (a replica certificate)."""
+    """Client certificate presented to etcd (`etcd-client/kunlun.crt`; its CN is the etcd user)."""
     key_path: str
     """Private key of cert_path."""
-    server_name: str = "localhost"
-    """Name checked against the etcd members' certificates (must be in every member's SANs)."""
+    server_name: str = ""
+    """Name checked against the etcd members' certificates (must be in every member's SANs).
+    Default: the endpoints' host when they share one, else `etcd-peer.kunlun`, a name that every
+    etcd member certificate carries and that only the etcd CA issues."""
     request_timeout_s: float = 2.0
     """Deadline of one unary call; a paused member costs at most this before another is tried."""
     retry_deadline_s: float = 10.0

@@ -56,6 +56,7 @@ from controlplane.store.contract import (
 )
 from controlplane.store.leases import LeaseKeeper
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
 log = structlog.get_logger("store")
@@ -159,11 +160,22 @@ class EtcdStore:
             ) from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
+    def _server_name(self) -> str:
+        """The name every member's certificate must carry (see StoreSettings.server_name)."""
+        if self.settings.server_name:
+            return self.settings.server_name
+        hosts = {host_port(ep)[0] for ep in self.settings.endpoints}
+        # members on several hosts: the name every member certificate carries and only the etcd CA
+        # issues (kunlun_common.pki.ETCD_PEER_NAME) — a role check, not a name override
+        return hosts.pop() if len(hosts) == 1 else ETCD_PEER_NAME
+
     def _new_channel(self, target: str) -> grpc.aio.Channel:
         assert self._creds is not None
+        name = self._server_name()
         options = [
-            ("grpc.ssl_target_name_override", self.settings.server_name),
-            ("grpc.default_authority", self.settings.server_name),
+            # one channel balances over every member, so the name checked is one they all carry
+            ("grpc.ssl_target_name_override", name),
+            ("grpc.default_authority", name),
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.keepalive_time_ms", 5000),
             ("grpc.keepalive_timeout_ms", 3000),
@@ -236,7 +248,8 @@ class EtcdStore:
 
     async def revision(self) -> int:
         """The store's current revision."""
-        req = rpc.RangeRequest(key=b"\0", count_only=True)
+        # a key inside the cluster prefix: etcd's RBAC lets the replicas' user read nothing else
+        req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)
         resp = await self._call(
             "revision", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
         )

@@ -1,4 +1,4 @@
-"""The lease keep-alive stream: one LeaseKeepAlive stream shared by every lease of a process.
+"""The lease keep-alive streams: a few LeaseKeepAlive streams shared by every lease of a process.
 
 TIME-CRITICAL: each refresh is bounded by the request timeout. etcd answers keep-alives in order on
 a stream, so one FIFO of waiters per lease id (per stream) is enough.
@@ -43,6 +43,7 @@ class _Stream:
         self.answered_at = 0.0
         self.retired = False
         self.reader: asyncio.Task[None] | None = None
+        self.slot: _Slot | None = None
 
     def in_flight(self) -> int:
         return sum(len(q) for q in self.waiting.values())
@@ -70,26 +71,40 @@ class _Stream:
             self.reader.cancel()
 
 
-class LeaseKeeper:
-    """One LeaseKeepAlive stream shared by every lease of the process (responses come in order)."""
+class _Slot:
+    """One of the keeper's streams (re-opened when retired) and the lock that orders its writes."""
 
-    def __init__(self, stub: Any, timeout_s: float) -> None:
+    def __init__(self) -> None:
+        self.stream: _Stream | None = None
+        self.lock = asyncio.Lock()
+
+
+class LeaseKeeper:
+    """A few LeaseKeepAlive streams shared by every lease of the process; a lease always uses the
+    same one (`lease id % streams`), so its answers come in order.
+
+    Several streams, because etcd answers the keep-alives of one stream one after another (a
+    follower forwards each to the leader and waits): a replica refreshing hundreds of node leases
+    on one stream would wait hundreds of round trips for the last one.
+    """
+
+    def __init__(self, stub: Any, timeout_s: float, streams: int = 8) -> None:
         self._stub = stub
         self._timeout = timeout_s
-        self._stream: _Stream | None = None
+        self._slots = [_Slot() for _ in range(max(1, streams))]
         self._draining: set[_Stream] = set()
-        self._lock = asyncio.Lock()
         self.timeouts = 0
         """Refreshes that timed out (each failed alone)."""
         self.resent = 0
         """Refreshes re-sent on a new stream after theirs broke."""
 
-    def _ensure(self) -> _Stream:
-        if self._stream is None:
+    def _ensure(self, slot: _Slot) -> _Stream:
+        if slot.stream is None:
             s = _Stream(self._stub.LeaseKeepAlive(metadata=_METADATA))
+            s.slot = slot
             s.reader = asyncio.create_task(self._read(s), name="lease-keepalive-reader")
-            self._stream = s
-        return self._stream
+            slot.stream = s
+        return slot.stream
 
     async def _read(self, s: _Stream) -> None:
         try:
@@ -115,8 +130,8 @@ class LeaseKeeper:
 
     def _retire(self, s: _Stream) -> None:
         """New refreshes go to a new stream; this one lives until its waiters are done."""
-        if self._stream is s:
-            self._stream = None
+        if s.slot is not None and s.slot.stream is s:
+            s.slot.stream = None
         s.retired = True
         if s.in_flight():
             self._draining.add(s)
@@ -125,8 +140,8 @@ class LeaseKeeper:
 
     def _drop(self, s: _Stream) -> None:
         self._draining.discard(s)
-        if self._stream is s:
-            self._stream = None
+        if s.slot is not None and s.slot.stream is s:
+            s.slot.stream = None
         s.close()
 
     def _broken(self, s: _Stream, e: BaseException) -> None:
@@ -147,8 +162,9 @@ class LeaseKeeper:
                     + (f" ({last})" if last else "")
                 )
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            async with self._lock:
-                s = self._ensure()
+            slot = self._slots[lease_id % len(self._slots)]
+            async with slot.lock:
+                s = self._ensure(slot)
                 s.waiting[lease_id].append(fut)
                 written_at = time.monotonic()
                 try:  # the stream's own bound, not the caller's: a short caller deadline is no stream fault
@@ -176,8 +192,9 @@ class LeaseKeeper:
                 ) from None
 
     async def close(self) -> None:
-        for s in [*self._draining, *([self._stream] if self._stream else [])]:
+        for s in [*self._draining, *(slot.stream for slot in self._slots if slot.stream is not None)]:
             s.fail_all(TemporaryError("lease keep-alive closed"))
             s.close()
         self._draining.clear()
-        self._stream = None
+        for slot in self._slots:
+            slot.stream = None

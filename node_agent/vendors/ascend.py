@@ -101,11 +101,8 @@ def _second_id_column(header_row2: list[str]) -> str | None:
     return words[1] if len(words) > 1 else None
 
 
-def parse_npu_smi_info(
-    text: str, logic_ids: Mapping[tuple[int, int], int] | None = None
-) -> list[ObservedDevice]:
-    """Parse the output of `npu-smi info`, with the (NPU ID, Chip ID) -> Chip Logic ID map of
-    `npu-smi info -m` when there is one (see the module docstring for the rules)."""
+def _parse_chips(text: str) -> tuple[list[_Chip], bool]:
+    """The chips of an `npu-smi info` table and whether it has an HBM-Usage column."""
     chips: list[_Chip] = []
     second_column: str | None = None
     has_hbm = False
@@ -153,7 +150,20 @@ def parse_npu_smi_info(
             temperature_c=parse_float(power_temp[1]) if len(power_temp) > 1 else None,
         )
         chips.append(current)
-    chips = [chip for chip in chips if chip.chip_id is not None]
+    return [chip for chip in chips if chip.chip_id is not None], has_hbm
+
+
+def chip_keys(text: str) -> list[tuple[int, int]]:
+    """The (NPU ID, Chip ID) of every chip of an `npu-smi info` table."""
+    return [(c.npu_id, c.chip_id if c.chip_id is not None else -1) for c in _parse_chips(text)[0]]
+
+
+def parse_npu_smi_info(
+    text: str, logic_ids: Mapping[tuple[int, int], int] | None = None
+) -> list[ObservedDevice]:
+    """Parse the output of `npu-smi info`, with the (NPU ID, Chip ID) -> Chip Logic ID map of
+    `npu-smi info -m` when there is one (see the module docstring for the rules)."""
+    chips, has_hbm = _parse_chips(text)
     logical = _logical_ids(chips, logic_ids or {})
     if logical is None:
         return [_observed(chip, index, has_hbm) for chip, index in zip(chips, _indexes(chips), strict=True)]
@@ -242,6 +252,9 @@ class AscendAdapter(VendorAdapter):
     def command(self) -> list[str]:
         return [self.tool, "info"]
 
+    _logic_ids: dict[tuple[int, int], int] = {}  # the last `npu-smi info -m` (replaced, never mutated)
+    _mapped_keys: frozenset[tuple[int, int]] | None = None  # the chips it was run for
+
     def mapping_command(self) -> list[str]:
         return [self.tool, "info", "-m"]
 
@@ -251,14 +264,18 @@ class AscendAdapter(VendorAdapter):
         result = self._run(command)
         if "Health" not in result.stdout:
             raise self._unparsable(command, "no NPU table found", result.stdout)
-        try:
-            mapping = parse_npu_smi_mapping(self._run(self.mapping_command()).stdout)
-        except ToolFailed as exc:  # an old npu-smi without -m: the table alone decides (docstring)
-            log.warning(
-                "npu_smi.no_logic_ids", command=format_command(self.mapping_command()), error=str(exc)
-            )
-            mapping = {}
-        return parse_npu_smi_info(result.stdout, mapping)
+        keys = frozenset(chip_keys(result.stdout))
+        if keys != self._mapped_keys:
+            # Logical ids change only when chips come or go (driver reload): -m runs again only then.
+            self._mapped_keys = keys
+            try:
+                self._logic_ids = parse_npu_smi_mapping(self._run(self.mapping_command()).stdout)
+            except ToolFailed as exc:  # an old npu-smi without -m: the table alone decides (docstring)
+                log.warning(
+                    "npu_smi.no_logic_ids", command=format_command(self.mapping_command()), error=str(exc)
+                )
+                self._logic_ids = {}
+        return parse_npu_smi_info(result.stdout, self._logic_ids)
 
 
 VENDOR = Vendor(
