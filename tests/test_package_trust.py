@@ -18,6 +18,7 @@ from controlplane.api.package_service import AUDIT_TRUST, TRUST
 from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.store import EtcdStore
 from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import package_pb2
 from kunlun_common.modelpkg import PackOptions, load_private_key, pack
 from kunlun_common.pki import paths_for
@@ -25,14 +26,27 @@ from tests.conftest import FAST_TMP, start_cluster, store_settings
 from tests.modelpkg_helpers import add_sparse_safetensors, cli, make_keys, make_model
 
 QUOTA = 12_000_000
+# Two small accelerators: the tiny test model (514 MiB minimum at 8 bits) fits only across both.
+SMALL_NODE = """schema_version: 1
+node: {name: node-a, address: 127.0.0.1, simulated: true}
+devices:
+  - device_type: ascend
+    device_ids: [0, 1]
+    model: 310P
+    hbm_memory_mb: 512
+    supported_dtypes: [fp16, bf16, int8]
+    topology_distance: [[0, 1], [1, 0]]
+"""
 
 
 @pytest.fixture(scope="module")
 def small_cluster() -> Iterator[LocalCluster]:
     base = Path(tempfile.mkdtemp(prefix="kunlun-trust-", dir=FAST_TMP))
+    decl = base / "node-a.yaml"
+    decl.write_text(SMALL_NODE)
     c = start_cluster(
         base,
-        node_configs=(),
+        node_configs=(decl,),
         gateways=0,
         replica_args=(f"--package-store-dir={base}/store/{{name}}", f"--package-store-quota-bytes={QUOTA}"),
     )
@@ -171,3 +185,36 @@ def test_push_list_delete_two_verified_copies_and_a_quota(
     assert not list(store.glob("*/blobs/*"))
     r = cli("model", "delete", f"tiny@{good.digest}", home=op)
     assert r.returncode == 1 and "no package" in r.stderr
+
+
+def test_submit_checks_a_package_against_the_devices_and_writes_nothing(
+    small_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    op = home_for(small_cluster, tmp_path, "operator", "admin")
+    wait_for(lambda: len(small_cluster.devices()) == 2, 60, "node-a's 2 devices registered")
+    model = make_model(tmp_path / "tiny")
+    w8 = pack(PackOptions(model, tmp_path / "w8.kunlunpkg", name="tiny-w8", quantization="w8a8"), None)
+    r = cli("model", "push", str(w8.path), "--quiet", home=op)
+    assert r.returncode == 0, r.stderr
+    ref = f"tiny-w8@{w8.digest}"
+    r = cli("workload", "submit", "--package", ref, home=op)
+    assert r.returncode == 1
+    assert (
+        "quantization: w8a8 is in no candidate device's supported_dtypes (they offer bf16, fp16, int8)"
+        in r.stderr
+    )
+    assert "memory: the package needs 514 MiB per device and the largest candidate has 512 MiB" in r.stderr
+    r = cli("workload", "submit", "--package", "tiny-w8@sha256:" + "0" * 64, home=op)
+    assert r.returncode == 1 and "is not in the cluster store" in r.stderr
+    r = cli("workload", "submit", "--package", ref, "--preferred-device-types", "nvidia", home=op)
+    assert r.returncode == 1 and "devices: no device of type nvidia" in r.stderr
+    assert json.loads(cli("workload", "list", "-o", "json", home=op).stdout)["items"] == []  # nothing written
+    # Split over two devices and run at int8: every check passes and the workload is written.
+    r = cli(
+        "workload", "submit", "--package", ref, "--quantization", "int8", "--devices-per-instance", "2",
+        "-o", "json", home=op,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["spec"]["package"] == ref
+    assert cli("workload", "delete", "tiny-w8", home=op).returncode == 0
+    assert cli("model", "delete", ref, home=op).returncode == 0

@@ -15,7 +15,8 @@ from controlplane.fencing import node_problems, registered_nodes
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
-from controlplane.workloads.spec import MAX_REPLICAS, checked
+from controlplane.workloads.package_checks import package_problems
+from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
@@ -51,6 +52,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         self, request: workload_pb2.SubmitWorkloadRequest, context: Ctx, who: Identity
     ) -> workload_pb2.SubmitWorkloadResponse:
         spec = checked(request.spec)
+        if problems := await package_problems(self.store, spec):
+            raise SpecError(problems)
         w, result = await records.submit(self.store, spec, str(who))
         return workload_pb2.SubmitWorkloadResponse(workload=w, result=result)
 

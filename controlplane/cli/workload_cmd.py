@@ -38,6 +38,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-size", type=int)
     s.add_argument("--max-concurrency", type=int)
     s.add_argument("--require-p2p", action="store_true", default=None)
+    s.add_argument("--package", help="model package NAME@sha256:DIGEST from the cluster store (`model list`)")
     s.set_defaults(handler=submit)
     ls = ws.add_parser("list", help="ID NAME PHASE INSTANCES TARGET AGE", parents=[common])
     ls.set_defaults(handler=list_workloads)
@@ -79,7 +80,17 @@ def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
             spec = parse_spec_yaml(text, args.file)
         except SpecError as e:
             raise CliError(str(e).replace("\n", " ")) from None
-    for flag in ("name", "model", "engine", "command_template", "pin", "quantization", "dtype", "priority"):
+    for flag in (
+        "name",
+        "model",
+        "engine",
+        "command_template",
+        "pin",
+        "quantization",
+        "dtype",
+        "priority",
+        "package",
+    ):
         v = getattr(args, flag)
         if v is not None:
             setattr(spec, flag, v)
@@ -94,8 +105,8 @@ def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
         spec.preferred_device_types.extend(
             t.strip() for t in args.preferred_device_types.split(",") if t.strip()
         )
-    if not args.file and not spec.model:
-        raise CliError("give a spec file (-f spec.yaml) or at least --model")
+    if not args.file and not spec.model and not spec.package:
+        raise CliError("give a spec file (-f spec.yaml) or at least --model (or --package)")
     return spec
 
 

@@ -179,4 +179,5 @@ def spec_json(spec: workload_pb2.WorkloadSpec) -> dict[str, Any]:
         "require_p2p": spec.require_p2p,
         "engine_args": list(spec.engine_args),
         "env": dict(spec.env),
+        "package": spec.package,
     }

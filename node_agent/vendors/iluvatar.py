@@ -11,7 +11,10 @@ no health or power field: health is Critical when a GPU is listed but neither it
 utilization can be read (it enumerates but does not answer), otherwise OK; power is not reported.
 
 Runtime: the CoreX runtime is CUDA-compatible and honours CUDA_VISIBLE_DEVICES (Iluvatar's own container
-scripts read it); each GPU is the device node /dev/iluvatarN, with no shared control node. Upstream SGLang
+scripts read it); each GPU is the device node /dev/iluvatarN (public deployments pass /dev/iluvatar0..7 to
+containers), with no shared control node. N is the driver's minor number, which equals the ixsmi index on
+a host whose GPUs all enumerate in order; where they differ the node id would need the tool's minor number
+(as Ascend's physical id), which this query does not print. Upstream SGLang
 has no Iluvatar device (its devices are CUDA, ROCm, NPU, XPU, HPU, MUSA and CPU, and its kernels are built
 for NVIDIA), so `engine: sglang` is refused on this vendor (the reason is its line in
 kunlun_common.names.VENDOR_NAMES); `engine: template` runs the vendor's own engine build.
