@@ -240,7 +240,7 @@ class EtcdStore:
 
     async def cluster_id(self) -> int:
         """The etcd cluster's id (changes when a cluster is restored from a backup as a new one)."""
-        req = rpc.RangeRequest(key=b"\0", count_only=True)
+        req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)  # inside the prefix RBAC lets us read
         resp = await self._call(
             "cluster id", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
         )
