@@ -126,6 +126,7 @@ class NodeSessions:
             disconnect_deadline_s=reg.disconnect_deadline_s,
             stop_grace_s=reg.stop_grace_s,
             lease_ttl_s=self.settings.node_lease_ttl_s,
+            metrics_address=reg.metrics_address,
         )
         for d in record.devices:
             d.ClearField("telemetry")

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from gateway.httpclient import HttpError, fetch
+from gateway.metrics import GatewayMetrics
 from gateway.routing import Policy, make_policy
 from gateway.settings import GatewaySettings, split_host_port
 from gateway.stats import TrafficStats
@@ -122,6 +123,7 @@ class Registry:
         self.synced = False
         self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
         self.stats = TrafficStats()  # per (workload, version): requests, errors, latency histogram
+        self.metrics = GatewayMetrics()  # Prometheus counters (gateway/metrics.py)
         self._random = random.Random().random
 
     # ------------------------------------------------------------------ updates
@@ -261,6 +263,7 @@ class Registry:
             b.ejections += 1
             b.ejected_until = now + period
             b.eject_reason = f"{reason}; ejected for {period:g}s"
+            self.metrics.ejected(b.workload)
             log.warning(
                 "instance ejected", workload=b.workload, instance=b.instance_id, reason=reason, seconds=period
             )

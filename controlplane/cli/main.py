@@ -21,6 +21,7 @@ from controlplane.cli import (
     node_engines_cmd,
     rollout_cmd,
     scheduler_cmd,
+    telemetry_cmd,
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
+    telemetry_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
     node_engines_cmd.register(sub, common)

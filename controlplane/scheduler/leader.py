@@ -17,6 +17,7 @@ import structlog
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.metrics import ReplicaMetrics, reason_class
 from controlplane.rollout import CANARY, canary_count
 from controlplane.scheduler.actions import (
     Unit,
@@ -79,6 +80,10 @@ class SchedulerLoop:
         self.unhealthy_since: dict[str, float] = {}
         self.not_ready_since: dict[str, float] = {}
         self.ticks = 0
+        # the replica's metrics (controlplane/metrics.py), told about every tick's decisions
+        self.metrics: ReplicaMetrics | None = None
+        self._queue: dict[str, int] = {}
+        self._unplaced_reasons: dict[str, int] = {}
 
     def new_term(self) -> None:
         """Forget what an earlier term observed: graces are measured from what THIS term saw, on this
@@ -262,6 +267,10 @@ class SchedulerLoop:
 
     def placement_units(self, st: ClusterState, now: float) -> tuple[list[Unit], int, int, int]:
         pending, running = queue_inputs(st)
+        self._queue = {}
+        self._unplaced_reasons = {}
+        for p_ in pending:
+            self._queue[p_.workload.priority] = self._queue.get(p_.workload.priority, 0) + 1
         if not pending:
             return [], 0, 0, 0
         plan = schedule(graph_snapshot(st), pending, running, st.config, now)
@@ -283,6 +292,15 @@ class SchedulerLoop:
                 continue  # placed on the next tick, once the victims' devices are free
             units.append(self._place(st, p))
             placed += 1
+        for u in plan.unplaced:
+            if u.reasons:
+                counts: dict[str, int] = {}
+                for why in u.reasons.values():
+                    counts[reason_class(why)] = counts.get(reason_class(why), 0) + 1
+                top = max(sorted(counts), key=lambda k: counts[k])
+            else:
+                top = "NoNode"
+            self._unplaced_reasons[top] = self._unplaced_reasons.get(top, 0) + 1
         noted = 0
         for u in plan.unplaced:  # queue order: the head of the queue is explained first
             if noted >= MAX_NOTES_PER_TICK:
@@ -314,6 +332,11 @@ class SchedulerLoop:
         units = self.reschedule_units(st, time.monotonic()) + self.drain_units(st, now)
         placement, placed, unplaced, evicted = self.placement_units(st, now)
         units += placement
+        if self.metrics is not None:
+            self.metrics.temperature_limit_c = st.config.temperature_limit_c
+            self.metrics.scheduler_tick(
+                self._queue, placed, evicted, time.perf_counter() - t0, self._unplaced_reasons
+            )
         if not units:
             return 0
         rev = await self.commit(fence, units, "schedule", t0)

@@ -204,6 +204,7 @@ class RegisterNode(_message.Message):
     AGENT_PID_FIELD_NUMBER: _builtins.int
     CONFIG_PATH_FIELD_NUMBER: _builtins.int
     NODE_SERVICE_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     DISCONNECT_DEADLINE_S_FIELD_NUMBER: _builtins.int
     STOP_GRACE_S_FIELD_NUMBER: _builtins.int
     node: _builtins.str
@@ -215,9 +216,12 @@ class RegisterNode(_message.Message):
     config_path: _builtins.str
     node_service: _builtins.str
     """host:port of the agent's own NodeService (logs), reachable by replicas."""
+    metrics_address: _builtins.str
+    """host:port of the agent's Prometheus exporter (HTTPS, monitoring certificates); empty: none."""
     disconnect_deadline_s: _builtins.float
     """Self-fencing: each engine stops by itself at most this long after the agent's last acknowledged
-    heartbeat (--disconnect-stop plus the supervisors' check slack), then takes up to stop_grace_s to end. The replica refuses a registration unless
+    heartbeat (--disconnect-stop plus the supervisors' check slack), then takes up to stop_grace_s
+    to end. The replica refuses a registration unless
     disconnect_deadline_s + stop_grace_s < node lease + node_not_ready_grace_seconds.
     """
     stop_grace_s: _builtins.float
@@ -234,12 +238,13 @@ class RegisterNode(_message.Message):
         agent_pid: _builtins.int = ...,
         config_path: _builtins.str = ...,
         node_service: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
         disconnect_deadline_s: _builtins.float = ...,
         stop_grace_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "node", b"node", "node_service", b"node_service", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/gateway.proto\x12\tkunlun.v1\"\x92\x01\n\x06\x41piKey\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x04 \x01(\x03\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12\x1a\n\x12revoked_at_unix_ms\x18\x06 \x01(\x03\x12\x12\n\nrevoked_by\x18\x07 \x01(\t\"#\n\x13\x43reateApiKeyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x14\x43reateApiKeyResponse\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t\"-\n\x12ListApiKeysRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"6\n\x13ListApiKeysResponse\x12\x1f\n\x04keys\x18\x01 \x03(\x0b\x32\x11.kunlun.v1.ApiKey\"!\n\x13RevokeApiKeyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"6\n\x14RevokeApiKeyResponse\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.ApiKey\"\x8f\x01\n\rRoutingPolicy\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x16\n\x0e\x62\x61lance_factor\x18\x03 \x01(\x01\x12\x14\n\x0cprefix_chars\x18\x04 \x01(\x05\x12\x12\n\nupdated_by\x18\x05 \x01(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x06 \x01(\x03\"C\n\x17SetRoutingPolicyRequest\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.kunlun.v1.RoutingPolicy\"\x1c\n\x1aListRoutingPoliciesRequest\"I\n\x1bListRoutingPoliciesResponse\x12*\n\x08policies\x18\x01 \x03(\x0b\x32\x18.kunlun.v1.RoutingPolicy\"w\n\x0bGatewayInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x1a\n\x12started_at_unix_ms\x18\x04 \x01(\x03\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\"\x85\x01\n\x17GatewayHeartbeatRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.GatewayInfo\x12\r\n\x05lease\x18\x02 \x01(\x03\x12\r\n\x05ttl_s\x18\x03 \x01(\x05\x12&\n\x05stats\x18\x04 \x03(\x0b\x32\x17.kunlun.v1.VariantStats\"l\n\x0cVariantStats\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x03\x12\x17\n\x0flatency_buckets\x18\x05 \x03(\x03\"w\n\x0cGatewayStats\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\x1a\n\x12started_at_unix_ms\x18\x02 \x01(\x03\x12\x12\n\nat_unix_ms\x18\x03 \x01(\x03\x12&\n\x05stats\x18\x04 \x03(\x0b\x32\x17.kunlun.v1.VariantStats\"I\n\x18GatewayHeartbeatResponse\x12\r\n\x05lease\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x0f\n\x07replica\x18\x03 \x01(\t\"\x15\n\x13ListGatewaysRequest\"@\n\x14ListGatewaysResponse\x12(\n\x08gateways\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.GatewayInfo\"b\n\x12WorkloadRouteState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"4\n\x0c\x43\x61naryWeight\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x12\n\nweight_pct\x18\x02 \x01(\x05\"\x1b\n\x19WatchGatewayConfigRequest\"\xbe\x01\n\rGatewayConfig\x12\x12\n\nkey_hashes\x18\x01 \x03(\t\x12*\n\x08policies\x18\x02 \x03(\x0b\x32\x18.kunlun.v1.RoutingPolicy\x12\x30\n\tworkloads\x18\x03 \x03(\x0b\x32\x1d.kunlun.v1.WorkloadRouteState\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12)\n\x08\x63\x61naries\x18\x05 \x03(\x0b\x32\x17.kunlun.v1.CanaryWeight2\xb7\x05\n\x0eGatewayService\x12O\n\x0c\x43reateApiKey\x12\x1e.kunlun.v1.CreateApiKeyRequest\x1a\x1f.kunlun.v1.CreateApiKeyResponse\x12L\n\x0bListApiKeys\x12\x1d.kunlun.v1.ListApiKeysRequest\x1a\x1e.kunlun.v1.ListApiKeysResponse\x12O\n\x0cRevokeApiKey\x12\x1e.kunlun.v1.RevokeApiKeyRequest\x1a\x1f.kunlun.v1.RevokeApiKeyResponse\x12P\n\x10SetRoutingPolicy\x12\".kunlun.v1.SetRoutingPolicyRequest\x1a\x18.kunlun.v1.RoutingPolicy\x12\x64\n\x13ListRoutingPolicies\x12%.kunlun.v1.ListRoutingPoliciesRequest\x1a&.kunlun.v1.ListRoutingPoliciesResponse\x12T\n\tHeartbeat\x12\".kunlun.v1.GatewayHeartbeatRequest\x1a#.kunlun.v1.GatewayHeartbeatResponse\x12O\n\x0cListGateways\x12\x1e.kunlun.v1.ListGatewaysRequest\x1a\x1f.kunlun.v1.ListGatewaysResponse\x12V\n\x12WatchGatewayConfig\x12$.kunlun.v1.WatchGatewayConfigRequest\x1a\x18.kunlun.v1.GatewayConfig0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/gateway.proto\x12\tkunlun.v1\"\x92\x01\n\x06\x41piKey\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\x04 \x01(\x03\x12\x12\n\ncreated_by\x18\x05 \x01(\t\x12\x1a\n\x12revoked_at_unix_ms\x18\x06 \x01(\x03\x12\x12\n\nrevoked_by\x18\x07 \x01(\t\"#\n\x13\x43reateApiKeyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"F\n\x14\x43reateApiKeyResponse\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.ApiKey\x12\x0e\n\x06secret\x18\x02 \x01(\t\"-\n\x12ListApiKeysRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"6\n\x13ListApiKeysResponse\x12\x1f\n\x04keys\x18\x01 \x03(\x0b\x32\x11.kunlun.v1.ApiKey\"!\n\x13RevokeApiKeyRequest\x12\n\n\x02id\x18\x01 \x01(\t\"6\n\x14RevokeApiKeyResponse\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.ApiKey\"\x8f\x01\n\rRoutingPolicy\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x16\n\x0e\x62\x61lance_factor\x18\x03 \x01(\x01\x12\x14\n\x0cprefix_chars\x18\x04 \x01(\x05\x12\x12\n\nupdated_by\x18\x05 \x01(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x06 \x01(\x03\"C\n\x17SetRoutingPolicyRequest\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.kunlun.v1.RoutingPolicy\"\x1c\n\x1aListRoutingPoliciesRequest\"I\n\x1bListRoutingPoliciesResponse\x12*\n\x08policies\x18\x01 \x03(\x0b\x32\x18.kunlun.v1.RoutingPolicy\"\x90\x01\n\x0bGatewayInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x1a\n\x12started_at_unix_ms\x18\x04 \x01(\x03\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\"\x85\x01\n\x17GatewayHeartbeatRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.GatewayInfo\x12\r\n\x05lease\x18\x02 \x01(\x03\x12\r\n\x05ttl_s\x18\x03 \x01(\x05\x12&\n\x05stats\x18\x04 \x03(\x0b\x32\x17.kunlun.v1.VariantStats\"l\n\x0cVariantStats\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x0f\n\x07variant\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x03\x12\x17\n\x0flatency_buckets\x18\x05 \x03(\x03\"w\n\x0cGatewayStats\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\x1a\n\x12started_at_unix_ms\x18\x02 \x01(\x03\x12\x12\n\nat_unix_ms\x18\x03 \x01(\x03\x12&\n\x05stats\x18\x04 \x03(\x0b\x32\x17.kunlun.v1.VariantStats\"I\n\x18GatewayHeartbeatResponse\x12\r\n\x05lease\x18\x01 \x01(\x03\x12\r\n\x05ttl_s\x18\x02 \x01(\x05\x12\x0f\n\x07replica\x18\x03 \x01(\t\"\x15\n\x13ListGatewaysRequest\"@\n\x14ListGatewaysResponse\x12(\n\x08gateways\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.GatewayInfo\"b\n\x12WorkloadRouteState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x10\n\x08replicas\x18\x03 \x01(\x05\x12\r\n\x05ready\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"4\n\x0c\x43\x61naryWeight\x12\x10\n\x08workload\x18\x01 \x01(\t\x12\x12\n\nweight_pct\x18\x02 \x01(\x05\"\x1b\n\x19WatchGatewayConfigRequest\"\xbe\x01\n\rGatewayConfig\x12\x12\n\nkey_hashes\x18\x01 \x03(\t\x12*\n\x08policies\x18\x02 \x03(\x0b\x32\x18.kunlun.v1.RoutingPolicy\x12\x30\n\tworkloads\x18\x03 \x03(\x0b\x32\x1d.kunlun.v1.WorkloadRouteState\x12\x10\n\x08revision\x18\x04 \x01(\x03\x12)\n\x08\x63\x61naries\x18\x05 \x03(\x0b\x32\x17.kunlun.v1.CanaryWeight2\xb7\x05\n\x0eGatewayService\x12O\n\x0c\x43reateApiKey\x12\x1e.kunlun.v1.CreateApiKeyRequest\x1a\x1f.kunlun.v1.CreateApiKeyResponse\x12L\n\x0bListApiKeys\x12\x1d.kunlun.v1.ListApiKeysRequest\x1a\x1e.kunlun.v1.ListApiKeysResponse\x12O\n\x0cRevokeApiKey\x12\x1e.kunlun.v1.RevokeApiKeyRequest\x1a\x1f.kunlun.v1.RevokeApiKeyResponse\x12P\n\x10SetRoutingPolicy\x12\".kunlun.v1.SetRoutingPolicyRequest\x1a\x18.kunlun.v1.RoutingPolicy\x12\x64\n\x13ListRoutingPolicies\x12%.kunlun.v1.ListRoutingPoliciesRequest\x1a&.kunlun.v1.ListRoutingPoliciesResponse\x12T\n\tHeartbeat\x12\".kunlun.v1.GatewayHeartbeatRequest\x1a#.kunlun.v1.GatewayHeartbeatResponse\x12O\n\x0cListGateways\x12\x1e.kunlun.v1.ListGatewaysRequest\x1a\x1f.kunlun.v1.ListGatewaysResponse\x12V\n\x12WatchGatewayConfig\x12$.kunlun.v1.WatchGatewayConfigRequest\x1a\x18.kunlun.v1.GatewayConfig0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,28 +53,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTROUTINGPOLICIESREQUEST']._serialized_end=733
   _globals['_LISTROUTINGPOLICIESRESPONSE']._serialized_start=735
   _globals['_LISTROUTINGPOLICIESRESPONSE']._serialized_end=808
-  _globals['_GATEWAYINFO']._serialized_start=810
-  _globals['_GATEWAYINFO']._serialized_end=929
-  _globals['_GATEWAYHEARTBEATREQUEST']._serialized_start=932
-  _globals['_GATEWAYHEARTBEATREQUEST']._serialized_end=1065
-  _globals['_VARIANTSTATS']._serialized_start=1067
-  _globals['_VARIANTSTATS']._serialized_end=1175
-  _globals['_GATEWAYSTATS']._serialized_start=1177
-  _globals['_GATEWAYSTATS']._serialized_end=1296
-  _globals['_GATEWAYHEARTBEATRESPONSE']._serialized_start=1298
-  _globals['_GATEWAYHEARTBEATRESPONSE']._serialized_end=1371
-  _globals['_LISTGATEWAYSREQUEST']._serialized_start=1373
-  _globals['_LISTGATEWAYSREQUEST']._serialized_end=1394
-  _globals['_LISTGATEWAYSRESPONSE']._serialized_start=1396
-  _globals['_LISTGATEWAYSRESPONSE']._serialized_end=1460
-  _globals['_WORKLOADROUTESTATE']._serialized_start=1462
-  _globals['_WORKLOADROUTESTATE']._serialized_end=1560
-  _globals['_CANARYWEIGHT']._serialized_start=1562
-  _globals['_CANARYWEIGHT']._serialized_end=1614
-  _globals['_WATCHGATEWAYCONFIGREQUEST']._serialized_start=1616
-  _globals['_WATCHGATEWAYCONFIGREQUEST']._serialized_end=1643
-  _globals['_GATEWAYCONFIG']._serialized_start=1646
-  _globals['_GATEWAYCONFIG']._serialized_end=1836
-  _globals['_GATEWAYSERVICE']._serialized_start=1839
-  _globals['_GATEWAYSERVICE']._serialized_end=2534
+  _globals['_GATEWAYINFO']._serialized_start=811
+  _globals['_GATEWAYINFO']._serialized_end=955
+  _globals['_GATEWAYHEARTBEATREQUEST']._serialized_start=958
+  _globals['_GATEWAYHEARTBEATREQUEST']._serialized_end=1091
+  _globals['_VARIANTSTATS']._serialized_start=1093
+  _globals['_VARIANTSTATS']._serialized_end=1201
+  _globals['_GATEWAYSTATS']._serialized_start=1203
+  _globals['_GATEWAYSTATS']._serialized_end=1322
+  _globals['_GATEWAYHEARTBEATRESPONSE']._serialized_start=1324
+  _globals['_GATEWAYHEARTBEATRESPONSE']._serialized_end=1397
+  _globals['_LISTGATEWAYSREQUEST']._serialized_start=1399
+  _globals['_LISTGATEWAYSREQUEST']._serialized_end=1420
+  _globals['_LISTGATEWAYSRESPONSE']._serialized_start=1422
+  _globals['_LISTGATEWAYSRESPONSE']._serialized_end=1486
+  _globals['_WORKLOADROUTESTATE']._serialized_start=1488
+  _globals['_WORKLOADROUTESTATE']._serialized_end=1586
+  _globals['_CANARYWEIGHT']._serialized_start=1588
+  _globals['_CANARYWEIGHT']._serialized_end=1640
+  _globals['_WATCHGATEWAYCONFIGREQUEST']._serialized_start=1642
+  _globals['_WATCHGATEWAYCONFIGREQUEST']._serialized_end=1669
+  _globals['_GATEWAYCONFIG']._serialized_start=1672
+  _globals['_GATEWAYCONFIG']._serialized_end=1862
+  _globals['_GATEWAYSERVICE']._serialized_start=1865
+  _globals['_GATEWAYSERVICE']._serialized_end=2560
 # @@protoc_insertion_point(module_scope)
