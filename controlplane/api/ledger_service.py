@@ -43,7 +43,9 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
                 f"node {request.node} is unknown or does not serve its ledger (agent not registered)"
             )
         async with grpc.aio.secure_channel(
-            address, channel_credentials(self.tls), options=[("grpc.ssl_target_name_override", request.node)]
+            address,
+            channel_credentials(self.tls, server_role="agent"),
+            options=[("grpc.ssl_target_name_override", request.node)],
         ) as ch:
             try:
                 resp: agent_pb2.EnginesResponse = await agent_pb2_grpc.NodeServiceStub(ch).Engines(
