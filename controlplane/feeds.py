@@ -195,6 +195,7 @@ ROUTING = (
     keys.INSTANCE_STATUS,
     keys.ROOT + "gateway-keys/",
     keys.ROOT + "gateway-policies/",
+    keys.REQUEST_ENDPOINTS,
 )
 """What the endpoint and gateway-config feeds are computed from (they wake on nothing else)."""
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
+from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
@@ -163,6 +164,7 @@ class Replica:
             GatewayService(self.store, self.feeds, self.settings.name), server
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
+        gateway_pb2_grpc.add_EndpointServiceServicer_to_server(EndpointService(self.store), server)
         package_pb2_grpc.add_PackageServiceServicer_to_server(
             PackageService(
                 self.store,

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from gateway.endpoints import Compiled, compile_all
 from gateway.httpclient import HttpError, fetch
 from gateway.routing import Policy, make_policy
 from gateway.settings import GatewaySettings, split_host_port
@@ -121,6 +122,7 @@ class Registry:
         self.revision = -1
         self.synced = False
         self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
+        self.request_endpoints: dict[str, Compiled | str] = {}  # Request-as-a-Service (endpoints.py)
         self.stats = TrafficStats()  # per (workload, version): requests, errors, latency histogram
         self._random = random.Random().random
 
@@ -158,6 +160,7 @@ class Registry:
         self.policies = {p.workload: p for p in cfg.policies}
         self.states = {s.name: s for s in cfg.workloads}
         self.canary_weights = {c.workload: c.weight_pct for c in cfg.canaries}
+        self.request_endpoints = compile_all(cfg.endpoints, self.request_endpoints)
         for name, wl in self.workloads.items():
             self._set_policy(wl, self.policies.get(name))
 
