@@ -126,6 +126,7 @@ class Elector:
         self._lease = 0
         self._stopping = False
         self.changed = asyncio.Event()
+        self.terms = 0  # leaderships this replica has won since it started (metrics)
 
     @property
     def is_leader(self) -> bool:
@@ -183,6 +184,7 @@ class Elector:
     async def _lead(self, epoch: int) -> None:
         fence = Fence(self.store, self.name, epoch)
         self.fence = fence
+        self.terms += 1
         self._observe(self.name)
         log.info("became leader", epoch=epoch, ttl_s=self.settings.ttl_s)
         tasks = [

@@ -28,6 +28,9 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
     p.add_argument("--renew-deadline", type=float, help="leader renew deadline in seconds (default 3)")
     p.add_argument("--retry-period", type=float, help="leader retry period in seconds (default 1)")
     p.add_argument("--node-lease-ttl", type=int, help="node liveness lease TTL in seconds (default 10)")
+    p.add_argument(
+        "--metrics-listen", help="host:port of the Prometheus exporter (HTTPS, mTLS; port 0: free)"
+    )
     p.add_argument("--log-level", help="debug, info, warning, error")
     p.add_argument(
         "--package-store-dir", help="this replica's model package folder ({name}: the replica name)"
@@ -45,6 +48,7 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         ("cert_dir", "cert_dir"),
         ("node_lease_ttl", "node_lease_ttl_s"),
         ("log_level", "log_level"),
+        ("metrics_listen", "metrics_listen"),
         ("package_store_dir", "package_store_dir"),
         ("package_store_quota_bytes", "package_store_quota_bytes"),
     ):

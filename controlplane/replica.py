@@ -13,17 +13,19 @@ import structlog
 from grpc_health.v1 import _async as health_aio  # the asyncio health servicer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane import keys
+from controlplane import keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
+from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
 from controlplane.lifecycle import NodeLifecycle
+from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
@@ -37,10 +39,12 @@ from kunlun_common.api import (
     gateway_pb2_grpc,
     package_pb2_grpc,
     rollout_pb2_grpc,
+    telemetry_pb2_grpc,
     workload_pb2_grpc,
 )
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
+from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("replica")
@@ -81,11 +85,34 @@ class Replica:
             settings.election,
             loops=[self._lifecycle_loop, self.scheduler.run, self.rollouts.run],
         )
+        self.metrics = ReplicaMetrics(settings.name)
+        self.store.observer = self.metrics.etcd_observed
+        self.scheduler.metrics = self.metrics
+        self.metrics.leader_state = lambda: (
+            self.elector.is_leader,
+            self.elector.fence.epoch if self.elector.fence is not None and self.elector.is_leader else 0,
+            self.elector.terms,
+        )
+        self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
+        self.metrics.leader_view = self._leader_view
+        self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease = 0
+        self.metrics_address = ""
         self.stopped = asyncio.Event()
+
+    async def _leader_view(self) -> LeaderView:
+        (nodes, spreads), members = await asyncio.gather(
+            telemetry.nodes_and_spreads(self.store, self.sessions), self.store.member_statuses()
+        )
+        return LeaderView(
+            etcd=[(m.name or m.endpoint, m.healthy, m.db_size_bytes) for m in members],
+            rollouts=rollout_rows(self.rollouts.current),
+            nodes=[(n.name, n.ready) for n in nodes],
+            spreads=spreads,
+        )
 
     async def _lifecycle_loop(self, fence: Fence) -> None:
         await self.lifecycle.run(fence)
@@ -123,6 +150,7 @@ class Replica:
             pid=os.getpid(),
             started_at_unix_ms=now_ms(),
             version=VERSION,
+            metrics_address=self.metrics_address,
         )
         await self.store.put(keys.replica(self.settings.name), keys.encode_message(info), self._lease)
         self._info = info
@@ -142,38 +170,42 @@ class Replica:
     async def start(self) -> None:
         await self.store.connect()
         await self._wait_for_etcd()
+        if self.settings.metrics_listen:
+            self.metrics_server = MetricsServer(
+                self.settings.metrics_listen, self.tls, self.metrics.registry, self.metrics.prepare
+            )
+            self.metrics_address = await self.metrics_server.start()
         await self._register()
         await self.feeds.start()
         server = grpc.aio.server(
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ]
+            ],
         )
-        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(
-            ClusterService(self.store, self.sessions, self.elector, self.settings.name), server
+        cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name)
+        agent = AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s)
+        workload = WorkloadService(self.store, self.feeds, self.tls)
+        gateway = GatewayService(self.store, self.feeds, self.settings.name)
+        rollout = RolloutService(self.store)
+        telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
+        package = PackageService(
+            self.store,
+            self.settings.name,
+            self.settings.package_store_dir,
+            self.settings.package_store_quota_bytes,
         )
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s),
-            server,
-        )
-        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(
-            WorkloadService(self.store, self.feeds, self.tls), server
-        )
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayService(self.store, self.feeds, self.settings.name), server
-        )
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(self.store), server)
-        gateway_pb2_grpc.add_EndpointServiceServicer_to_server(EndpointService(self.store), server)
-        package_pb2_grpc.add_PackageServiceServicer_to_server(
-            PackageService(
-                self.store,
-                self.settings.name,
-                self.settings.package_store_dir,
-                self.settings.package_store_quota_bytes,
-            ),
-            server,
-        )
+        endpoint_svc = EndpointService(self.store)
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc):
+            svc.observe_call = self.metrics.api_observed  # API latency by method and code
+        cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+        workload_pb2_grpc.add_WorkloadServiceServicer_to_server(workload, server)
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(gateway, server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
+        package_pb2_grpc.add_PackageServiceServicer_to_server(package, server)
+        gateway_pb2_grpc.add_EndpointServiceServicer_to_server(endpoint_svc, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
@@ -204,6 +236,8 @@ class Replica:
         await self.feeds.stop()
         if self.server is not None:
             await self.server.stop(1.0)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.store.close()
         self.stopped.set()
 

@@ -300,6 +300,7 @@ class RolloutLoop:
     def __init__(self, store: EtcdStore, replica: str) -> None:
         self.store = store
         self.by = f"rollout@{replica}"
+        self.current: list[rollout_pb2.Rollout] = []  # as of the last tick (for the metrics)
 
     async def run(self, fence: Fence) -> None:
         cache = GraphCache(self.store)
@@ -319,6 +320,7 @@ class RolloutLoop:
     async def tick(self, fence: Fence, cache: GraphCache) -> None:
         now = now_ms()
         rollouts = decode_rollouts(cache.prefix(keys.ROLLOUTS)).values()
+        self.current = [r for r, _ in rollouts]
         stats = gateway_stats(cache.prefix(keys.GATEWAY_STATS)) if rollouts else []
         for r, kv in rollouts:
             new = advance(r, now, self.by, stats)

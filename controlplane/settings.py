@@ -41,6 +41,12 @@ class ReplicaSettings:
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""
+    etcd_quota_bytes: int = 2 * 1024**3
+    """etcd's space quota (`--quota-backend-bytes`; the launcher sets 2 GiB), exported so that the
+    near-quota alert compares the database size with it."""
+    metrics_listen: str = ""
+    """host:port of the Prometheus exporter (HTTPS with the replica's certificate; client certificates of
+    role `monitoring`); port 0 picks a free one; empty: no exporter."""
     log_level: str = "info"
     """debug, info, warning or error."""
     package_store_dir: str = ""
@@ -56,6 +62,12 @@ class ReplicaSettings:
             )
         if ":" not in self.listen:
             raise ConfigError(f"listen: expected host:port, found {self.listen!r}")
+        if self.metrics_listen:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(
+                    f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
+                )
         if self.node_lease_ttl_s < 3:
             raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
         if self.log_level not in ("debug", "info", "warning", "error"):

@@ -52,7 +52,15 @@ def up(base: Path, free_ports: bool = False) -> int:
     write_client_config(cfg_path, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
     print(f"[5/5] client config written to {cfg_path}", flush=True)
     print(f"\nleader: {cluster.leader()}   logs: {base}")
-    print("gateways: " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values()) + "\n")
+    print("gateways: " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values()))
+    ca, cert, key = cluster.monitoring_tls()
+    print(
+        f"metrics (HTTPS; client certificate {cert} with key {key}; "
+        f"servers signed by {ca} and {ca.with_name('replica-ca.crt')}):"
+    )
+    for proc, addr in cluster.metrics_addrs.items():
+        print(f"  {proc:<16} https://{addr}/metrics")
+    print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)\n")
     cli = Path(sys.executable).parent / "kunlun-cli"
     subprocess.run(
         [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}

@@ -59,6 +59,8 @@ class ClusterSpec:
     """Number of inference gateways (one per control-plane host in production)."""
     gateway_args: tuple[str, ...] = ()
     """Extra flags for every gateway."""
+    metrics: bool = True
+    """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
 
 
 @dataclass
@@ -70,6 +72,8 @@ class LocalCluster:
     agents: dict[str, ManagedProcess] = field(default_factory=dict)
     gateways: dict[str, ManagedProcess] = field(default_factory=dict)
     gateway_addrs: dict[str, str] = field(default_factory=dict)
+    metrics_addrs: dict[str, str] = field(default_factory=dict)
+    """Process name (replica-1, agent-node-a, gateway-1) -> host:port of its metrics exporter."""
 
     @property
     def base(self) -> Path:
@@ -95,6 +99,19 @@ class LocalCluster:
             data = yaml.safe_load(cfg.read_text())
             names.append(str(data["node"]["name"]))
         return names
+
+    def metrics_flag(self, process: str) -> list[str]:
+        """`--metrics-listen` for a process (the same port again when it restarts)."""
+        if not self.spec.metrics:
+            return []
+        if process not in self.metrics_addrs:
+            self.metrics_addrs[process] = f"127.0.0.1:{free_port()}"
+        return [f"--metrics-listen={self.metrics_addrs[process]}"]
+
+    def monitoring_tls(self) -> tuple[Path, Path, Path]:
+        """CA, certificate and key of the `monitoring` identity (what Prometheus scrapes with)."""
+        p = paths_for(self.cert_dir, "monitoring", "prometheus")
+        return p.ca, p.cert, p.key
 
     # ---------------------------------------------------------------- start
     def make_certs(self) -> None:
@@ -152,6 +169,7 @@ class LocalCluster:
             f"--renew-deadline={s.renew_deadline_s}",
             f"--retry-period={s.retry_period_s}",
             f"--node-lease-ttl={s.node_lease_ttl_s}",
+            *self.metrics_flag(name),
             *s.replica_args,
         ]
 
@@ -185,6 +203,7 @@ class LocalCluster:
             f"--endpoints={','.join(self.endpoints)}",
             f"--cert-dir={self.bundle('agent', node)}",
             f"--state-dir={self.base / 'agents' / node}",
+            *self.metrics_flag(f"agent-{node}"),
             *self.spec.agent_args,
         ]
 
@@ -212,6 +231,7 @@ class LocalCluster:
             f"--listen={address}",
             f"--endpoints={','.join(self.endpoints)}",
             f"--cert-dir={self.bundle('gateway', name)}",
+            *self.metrics_flag(name),
             *self.spec.gateway_args,
         ]
 
@@ -299,6 +319,7 @@ class LocalCluster:
             "pids": {p.name: p.pid for p in self.all_procs() if p.pid},
             "replicas": self.replica_addrs,
             "gateways": self.gateway_addrs,
+            "metrics": self.metrics_addrs,
             "etcd": list(self.etcd.endpoints),
         }
         (self.base / "cluster.json").write_text(json.dumps(data, indent=2))

@@ -27,6 +27,7 @@ import structlog
 
 from gateway.endpoints import Compiled, compile_all
 from gateway.httpclient import HttpError, fetch
+from gateway.metrics import GatewayMetrics
 from gateway.routing import Policy, make_policy
 from gateway.settings import GatewaySettings, split_host_port
 from gateway.stats import TrafficStats
@@ -124,6 +125,7 @@ class Registry:
         self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
         self.request_endpoints: dict[str, Compiled | str] = {}  # Request-as-a-Service (endpoints.py)
         self.stats = TrafficStats()  # per (workload, version): requests, errors, latency histogram
+        self.metrics = GatewayMetrics()  # Prometheus counters (gateway/metrics.py)
         self._random = random.Random().random
 
     # ------------------------------------------------------------------ updates
@@ -264,6 +266,7 @@ class Registry:
             b.ejections += 1
             b.ejected_until = now + period
             b.eject_reason = f"{reason}; ejected for {period:g}s"
+            self.metrics.ejected(b.workload)
             log.warning(
                 "instance ejected", workload=b.workload, instance=b.instance_id, reason=reason, seconds=period
             )

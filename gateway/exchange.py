@@ -33,6 +33,7 @@ class Exchange:
         "conn",
         "connecting",
         "done",
+        "first_byte",
         "head",
         "key",
         "last",
@@ -77,6 +78,7 @@ class Exchange:
         self.last_error = ""
         self.last = 0.0
         self.began = 0.0
+        self.first_byte = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -131,14 +133,18 @@ class Exchange:
             b.inflight -= 1
         return b
 
-    def _record(self, error: bool) -> None:
+    def _record(self, status: int) -> None:
         """Count the request for its workload and version (the last instance tried decides)."""
         variant = self.tried[-1].variant if self.tried else (self.variant or "")
-        self.proxy.registry.stats.record(self.wl.name, variant, self.proxy.loop.time() - self.began, error)
+        seconds = self.proxy.loop.time() - self.began
+        reg = self.proxy.registry
+        reg.stats.record(self.wl.name, variant, seconds, status >= 500)
+        ttfb = self.first_byte - self.began if self.first_byte else None
+        reg.metrics.record(self.wl.name, variant, status, seconds, ttfb)
 
-    def _finish(self, keep_alive: bool, error: bool) -> None:
+    def _finish(self, keep_alive: bool, status: int) -> None:
         self.done = True
-        self._record(error)
+        self._record(status)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -147,7 +153,7 @@ class Exchange:
 
     def _error(self, status: int, message: str, extra: bytes = b"") -> None:
         self.done = True
-        self._record(status >= 500)
+        self._record(status)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -163,6 +169,8 @@ class Exchange:
     def upstream_data(self, data: bytes) -> None:
         self.started = True
         self.last = self.proxy.loop.time()
+        if not self.first_byte:
+            self.first_byte = self.last
         t = self.client.transport
         if t is not None:
             t.write(data)
@@ -173,7 +181,7 @@ class Exchange:
         b = self._release()
         if b is not None:
             self.proxy.registry.succeeded(b)
-        self._finish(keep_alive, status >= 500)
+        self._finish(keep_alive, status)
 
     def upstream_failed(self, reason: str, kind: str, reused: bool) -> None:
         self.conn = None
@@ -190,6 +198,7 @@ class Exchange:
         self.last_error = f"{b.instance_id} ({b.address}) of workload {self.wl.name!r} failed: {reason}"
         if len(self.tried) <= self.proxy.settings.retries:
             log.info("retrying on another instance", error=self.last_error)
+            self.proxy.registry.metrics.retry(self.wl.name)
             self._dispatch()
         else:
             self._error(502, f"instance {self.last_error}")
@@ -200,7 +209,7 @@ class Exchange:
         if b is not None:
             self.proxy.registry.failed(b, "reset", reason, True)
             log.warning("response cut", instance=b.instance_id, workload=self.wl.name, reason=reason)
-        self._finish(False, True)
+        self._finish(False, 502)  # the response was cut: counted as failed
 
     # --- timeouts and the client going away
     def _on_timer(self) -> None:
@@ -220,7 +229,7 @@ class Exchange:
             self.proxy.registry.failed(b, "timeout", f"no answer within {timeout:g}s")
         if self.started:
             log.warning("response timed out mid-way", workload=self.wl.name, instance=what)
-            self._finish(False, True)
+            self._finish(False, 504)
         else:
             self._error(504, f"{what} of workload {self.wl.name!r} did not answer within {timeout:g}s")
 

@@ -15,6 +15,7 @@ import structlog
 
 from gateway.auth import ApiKeys
 from gateway.backends import HealthChecker, Registry
+from gateway.metrics import GatewayExport, PoolRow
 from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings, split_host_port
 from kunlun_common.api import workload_pb2
@@ -34,7 +35,7 @@ class Gateway:
         self.registry = Registry(settings)
         self.keys = ApiKeys(settings.require_api_key)
         self.material = None
-        if settings.endpoints:
+        if settings.endpoints or settings.metrics_listen:
             from kunlun_common import tls
 
             self.material = tls.load_tls(settings.cert_paths(), expect_roles=("gateway",))
@@ -51,6 +52,37 @@ class Gateway:
         self.router_sync: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self.started = time.time()
+        self.metrics: Any = None
+        self.metrics_address = ""
+
+    def _pool_rows(self) -> list[PoolRow]:
+        now = time.monotonic()
+        rows = []
+        for wl in self.registry.served():
+            row = PoolRow(wl.name, instances=len(wl.backends))
+            for b in wl.backends:
+                row.ejected += b.ejected_until > now
+                row.inflight += b.inflight
+                row.idle_connections += len(b.pool.idle)
+                row.opened_connections += b.pool.opened
+            rows.append(row)
+        return rows
+
+    async def _start_metrics(self) -> None:
+        if not self.settings.metrics_listen or self.material is None:
+            return
+        from kunlun_common.metrics_http import MetricsServer
+
+        export = GatewayExport(
+            self.settings.name,
+            self.registry.metrics,
+            self._pool_rows,
+            lambda: (self.proxy.inflight if self.proxy else 0, len(self.proxy.clients) if self.proxy else 0),
+        )
+        self.metrics = MetricsServer(
+            self.settings.metrics_listen, self.material, export.registry, export.prepare
+        )
+        self.metrics_address = await self.metrics.start()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -77,10 +109,12 @@ class Gateway:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.proxy = Proxy(s, self.registry, self.keys, self.status)
-        if self.material is not None:
+        await self._start_metrics()
+        if self.material is not None and s.endpoints:
             from gateway.feed import ControlPlaneFeed
 
             self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
+            self.feed.info.metrics_address = self.metrics_address
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
         else:
             eps = [
@@ -140,6 +174,8 @@ class Gateway:
                 if c.transport is not None:
                     c.transport.close()
         self.registry.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -184,6 +220,9 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--heartbeat-interval", type=float, help="registration heartbeat, seconds")
     p.add_argument("--sglang-router", help="http://host:port of an sglang-router to keep in sync")
     p.add_argument("--sglang-router-workload", help="mirror only this workload into the sglang-router")
+    p.add_argument(
+        "--metrics-listen", help="host:port of the Prometheus exporter (HTTPS, mTLS; port 0: free)"
+    )
     p.add_argument("--log-level", help="debug, info, warning, error")
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
@@ -207,6 +246,7 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
         ("sglang_router", "sglang_router_url"),
         ("sglang_router_workload", "sglang_router_workload"),
         ("log_level", "log_level"),
+        ("metrics_listen", "metrics_listen"),
     ):
         if getattr(a, flag) is not None:
             data[key] = getattr(a, flag)

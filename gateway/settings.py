@@ -77,11 +77,24 @@ class GatewaySettings:
     """Mirror only this workload's instances into the sglang-router (empty: every workload)."""
     drain_s: float = 10.0
     """On SIGTERM: stop accepting, wait this long at most for requests in flight."""
+    metrics_listen: str = ""
+    """host:port of the Prometheus exporter (HTTPS with the gateway's certificate, client certificates
+    of role `monitoring`; needs cert_dir); port 0 picks a free one; empty: no exporter."""
     log_level: str = "info"
     """debug, info, warning or error."""
 
     def __post_init__(self) -> None:
         split_host_port(self.listen, "listen")
+        if self.metrics_listen:
+            if not self.cert_dir:
+                raise ConfigError(
+                    "metrics_listen: the exporter serves HTTPS with the gateway's certificate; give cert_dir"
+                )
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(
+                    f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
+                )
         for ep in self.endpoints:
             split_host_port(ep, "endpoints")
         for item in self.static_endpoints:

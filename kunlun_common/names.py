@@ -30,6 +30,8 @@ VENDOR_NAMES: tuple[VendorName, ...] = (
     VendorName("iluvatar", sglang_refusal="upstream SGLang has no Iluvatar CoreX device"),
 )
 DEVICE_TYPES = tuple(v.type_name for v in VENDOR_NAMES)
+# the company behind each device type (the `vendor` label of device metrics)
+VENDORS = {"ascend": "huawei", "cambricon": "cambricon", "hygon": "hygon", "nvidia": "nvidia"}
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _DEVICE_RE = re.compile(r"^(?P<node>[a-z0-9][a-z0-9-]*)/(?P<type>[a-z]+):(?P<index>\d+)$")
 

@@ -40,7 +40,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kunlun_common.errors import ConfigError
 
-ROLES = ("etcd", "replica", "agent", "gateway", "operator", "viewer")
+ROLES = ("etcd", "replica", "agent", "gateway", "operator", "viewer", "monitoring")
 SERVER_ROLES = ("etcd", "replica", "agent", "gateway")
 """Roles whose certificates also serve (server usage and host SANs); the rest are clients only."""
 ORG = "kunlun-platform"
@@ -260,6 +260,8 @@ class ClusterCerts:
     """Operator identities (may change state)."""
     viewers: tuple[str, ...] = ("viewer",)
     """Viewer identities (read only)."""
+    monitors: tuple[str, ...] = ("prometheus",)
+    """Monitoring identities: may scrape every process's metrics exporter and list scrape targets."""
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     """SANs (addresses and host names) of every server certificate that has none of its own."""
     host_map: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -277,6 +279,7 @@ def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = Cl
         ("gateway", spec.gateways),
         ("operator", spec.operators),
         ("viewer", spec.viewers),
+        ("monitoring", spec.monitors),
         (ETCD_CLIENT, (ETCD_USER, ETCD_ADMIN)),
     ):
         for name in names:

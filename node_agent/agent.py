@@ -14,6 +14,7 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import types_pb2
 from kunlun_common.errors import ConfigError
+from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
@@ -26,6 +27,7 @@ from node_agent.executor.sandbox import (
     detect_protections,
     require_protections,
 )
+from node_agent.metrics import AgentMetrics
 from node_agent.node_service import NodeServiceServer, NodeServiceServicer
 from node_agent.plugins.config import NodeConfig, load_config
 from node_agent.plugins.remote import plugin_socket_dir
@@ -93,6 +95,8 @@ class Agent:
             self.tls, NodeServiceServicer(self.config.node_name, self.executor.instance_dir)
         )
         self.node_service_address = ""
+        self.metrics: MetricsServer | None = None
+        self.metrics_address = ""
         self.link = ReplicaLink(
             settings.endpoints,
             self.tls,
@@ -104,6 +108,7 @@ class Agent:
                 VERSION,
                 os.path.abspath(self.config.path),
                 self.node_service_address,
+                self.metrics_address,
             ),
             samples=self.devices.samples,
             heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -139,12 +144,25 @@ class Agent:
             except Exception as e:  # a loop must never die
                 log.exception("device sampling failed", error=str(e))
 
+    async def _start_metrics(self) -> None:
+        if not self.settings.metrics_listen:
+            return
+        m = AgentMetrics(
+            self.config.node_name,
+            self.devices.devices,
+            lambda: [w.status for w in self.executor.workers.values()],
+            lambda: bool(self.link.connected_to),
+        )
+        self.metrics = MetricsServer(self.settings.metrics_listen, self.tls, m.registry, m.prepare)
+        self.metrics_address = await self.metrics.start()
+
     async def run(self) -> None:
         await self.devices.start(self.plugin_socket_dir)  # out-of-process plugins register here
         try:
             listen = self.settings.node_service_listen or endpoint(self.config.address, 0)
             port = await self.node_service.start(listen)
             self.node_service_address = endpoint(self.config.address, port)
+            await self._start_metrics()
             await self.executor.start()
             await self._run()
         finally:
@@ -152,6 +170,8 @@ class Agent:
                 await self.executor.stop_everything("the agent exited (--stop-engines-on-exit)")
             await self.executor.close()  # without --stop-engines-on-exit the next agent adopts them
             await self.node_service.stop()
+            if self.metrics is not None:
+                await self.metrics.stop()
             await self.devices.stop()
 
     async def _run(self) -> None:

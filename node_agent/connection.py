@@ -204,6 +204,7 @@ def registration(
     version: str,
     config_path: str,
     node_service: str = "",
+    metrics_address: str = "",
 ) -> agent_pb2.RegisterNode:
     return agent_pb2.RegisterNode(
         node=node,
@@ -214,4 +215,5 @@ def registration(
         agent_pid=os.getpid(),
         config_path=config_path,
         node_service=node_service,
+        metrics_address=metrics_address,
     )

@@ -31,6 +31,11 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         default="",
         help="host:port of the agent's NodeService (logs, for replicas); default: the node's address, free port",
     )
+    p.add_argument(
+        "--metrics-listen",
+        default="",
+        help="host:port of the Prometheus exporter (HTTPS, `monitoring` client certificates; port 0: free)",
+    )
     e = p.add_argument_group("engines")
     d = ExecutorSettings()
     e.add_argument(
@@ -124,6 +129,10 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     ):
         if value <= 0:
             raise ConfigError(f"{flag} must be greater than 0, got {value}")
+    if a.metrics_listen:
+        from kunlun_common.metrics_http import split_listen
+
+        split_listen(a.metrics_listen, "--metrics-listen")
     if a.stop_grace < 0:
         raise ConfigError(f"--stop-grace must not be negative, got {a.stop_grace}")
     if not a.health_path.startswith("/"):
@@ -159,6 +168,7 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         heartbeat_interval_s=a.heartbeat_interval,
         ack_timeout_s=a.ack_timeout,
         node_service_listen=a.node_service_listen,
+        metrics_listen=a.metrics_listen,
         executor=executor,
         require_signed_config=a.require_signed_config,
         trusted_keys_dir=a.trusted_keys,

@@ -75,6 +75,9 @@ class AgentSettings:
     node_service_listen: str = ""
     """host:port the agent's NodeService (instance logs, for replicas) listens on; empty: the node's
     address and a free port."""
+    metrics_listen: str = ""
+    """host:port of the Prometheus exporter (HTTPS, client certificates of role `monitoring`); port 0
+    picks a free one; empty: no exporter."""
     executor: ExecutorSettings = field(default_factory=ExecutorSettings)
     """Engines: probes, restarts, sandbox policy, stop on disconnect."""
     require_signed_config: bool = False

@@ -32,6 +32,22 @@ if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
   apt_install etcd-server
 fi
 
+# Prometheus and promtool (the telemetry tests and `promtool check` use them): Debian's package,
+# unpacked into .tools/prometheus without installing it, so no service is started, no
+# recommended exporter comes along and nothing outside the project changes. Skipped when both
+# binaries are on PATH already, or were unpacked before.
+if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 \
+  && [ ! -x .tools/prometheus/usr/bin/promtool ]; then
+  echo "unpacking Debian's prometheus package into .tools/prometheus ..."
+  mkdir -p .tools/download
+  if ! (cd .tools/download && apt-get download -qq prometheus >/dev/null 2>&1); then
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    (cd .tools/download && apt-get download -qq prometheus >/dev/null 2>&1)
+  fi
+  dpkg -x .tools/download/prometheus_*.deb .tools/prometheus
+  rm -rf .tools/download
+fi
+
 # the chaos suite's hosts are network namespaces joined by veth pairs, its network faults nftables rules
 if ! command -v ip >/dev/null 2>&1 && [ ! -x /usr/sbin/ip ] && [ ! -x /sbin/ip ]; then
   apt_install iproute2

@@ -24,6 +24,8 @@ def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "[5/5] client config written" in up.stdout
+        # make demo prints every process's metrics address (replicas, agents, gateways)
+        assert up.stdout.count("/metrics") == 8 and "monitoring/prometheus.crt" in up.stdout, up.stdout
         rows = [line for line in up.stdout.splitlines() if line.startswith("node-")]
         assert len(rows) == 7 and all(" Ready " in r for r in rows), up.stdout
         pids = json.loads((base / "cluster.json").read_text())["pids"]

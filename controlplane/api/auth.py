@@ -51,6 +51,8 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.RolloutService/AbortRollout": WRITERS,
     "/kunlun.v1.RolloutService/GetRollout": READERS,
     "/kunlun.v1.RolloutService/ListRollouts": READERS,
+    "/kunlun.v1.TelemetryService/DeviceMetrics": (*READERS, "monitoring"),
+    "/kunlun.v1.TelemetryService/Targets": (*READERS, "monitoring"),
     "/kunlun.v1.PackageService/AddTrustedKey": WRITERS,
     "/kunlun.v1.PackageService/RemoveTrustedKey": WRITERS,
     "/kunlun.v1.PackageService/ListTrustedKeys": (*READERS, "agent"),

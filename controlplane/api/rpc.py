@@ -10,6 +10,10 @@
    and the fix. Anything else propagates (gRPC answers UNKNOWN and logs it), and so does an abort
    the handler made itself.
 
+Every unary call is also timed and counted by method and final status code through the servicer's
+`observe_call` (the replica's `kunlun_api_request_duration_seconds`, controlplane/metrics.py);
+streams are not timed (they live as long as their client).
+
 Handlers therefore validate by raising `InvalidInput`, `NotFoundError`, ... and never catch to
 translate. A new RPC: its line in PERMISSIONS, then a decorated method on its servicer.
 """
@@ -17,6 +21,7 @@ translate. A new RPC: its line in PERMISSIONS, then a decorated method on its se
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, ClassVar, NoReturn, TypeVar
 
@@ -67,6 +72,8 @@ class Servicer:
 
     SERVICE: ClassVar[str]
     """The full service name, e.g. "kunlun.v1.WorkloadService"."""
+    observe_call: Callable[[str, str, float], None] | None = None
+    """Told (method, status code name, seconds) after every unary call; the replica's API metrics."""
 
     def method(self, name: str) -> str:
         """The full method name of handler `name`, as PERMISSIONS lists it."""
@@ -86,14 +93,37 @@ def rpc(
 
     @functools.wraps(handler)
     async def call(self: S, request: Req, context: Ctx) -> Resp:
-        who = await authorize(context, self.method(name))
+        t0 = time.perf_counter()
+        code = "OK"
         try:
+            who = await authorize(context, self.method(name))
             return await handler(self, request, context, who)
         except Exception as e:
+            code = _code_name(e, context)
             await fail(context, e)
+        finally:
+            if self.observe_call is not None:
+                self.observe_call(name, code, time.perf_counter() - t0)
 
     call.__rpc_method__ = name  # type: ignore[attr-defined]
     return call
+
+
+def _code_name(e: Exception, context: Ctx) -> str:
+    """The status code a failed call ends with: the domain error's, else the one the handler (or the
+    authorization) aborted with, else UNKNOWN."""
+    code = status_of(e)
+    if code is not None:
+        return str(code.name)
+    try:
+        aborted = context.code()
+    except Exception:  # pragma: no cover - older grpc without ServicerContext.code()
+        aborted = None
+    if isinstance(aborted, grpc.StatusCode):
+        return str(aborted.name)
+    if isinstance(aborted, int):
+        return next((c.name for c in grpc.StatusCode if c.value[0] == aborted), "UNKNOWN")
+    return "UNKNOWN"
 
 
 def rpc_stream(

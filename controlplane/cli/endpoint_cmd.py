@@ -124,7 +124,7 @@ def delete(args: argparse.Namespace) -> int:
 def list_endpoints(args: argparse.Namespace) -> int:
     eps = _call(args, "ListEndpoints", gateway_pb2.ListRequestEndpointsRequest()).endpoints
     if args.output == "json":
-        print_json([endpoint_json(e, schemas=False) for e in eps])
+        print_json({"items": [endpoint_json(e, schemas=False) for e in eps]})
         return 0
     print_table(
         ["NAME", "WORKLOAD", "VERSION", "PATH"],

@@ -21,6 +21,7 @@ from controlplane.cli import (
     node_cmd,
     rollout_cmd,
     scheduler_cmd,
+    telemetry_cmd,
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     endpoint_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
+    telemetry_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
     return p

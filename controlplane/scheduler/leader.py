@@ -17,6 +17,7 @@ import structlog
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.metrics import ReplicaMetrics, reason_class
 from controlplane.rollout import CANARY, canary_count
 from controlplane.scheduler.actions import (
     Unit,
@@ -78,6 +79,10 @@ class SchedulerLoop:
         self.by = f"scheduler@{replica}"
         self.unhealthy_since: dict[str, float] = {}
         self.ticks = 0
+        # the replica's metrics (controlplane/metrics.py), told about every tick's decisions
+        self.metrics: ReplicaMetrics | None = None
+        self._queue: dict[str, int] = {}
+        self._unplaced_reasons: dict[str, int] = {}
 
     async def run(self, fence: Fence) -> None:
         cache = GraphCache(self.store)
@@ -240,6 +245,10 @@ class SchedulerLoop:
 
     def placement_units(self, st: ClusterState, now: float) -> tuple[list[Unit], int, int, int]:
         pending, running = queue_inputs(st)
+        self._queue = {}
+        self._unplaced_reasons = {}
+        for p_ in pending:
+            self._queue[p_.workload.priority] = self._queue.get(p_.workload.priority, 0) + 1
         if not pending:
             return [], 0, 0, 0
         plan = schedule(graph_snapshot(st), pending, running, st.config, now)
@@ -261,6 +270,15 @@ class SchedulerLoop:
                 continue  # placed on the next tick, once the victims' devices are free
             units.append(self._place(st, p))
             placed += 1
+        for u in plan.unplaced:
+            if u.reasons:
+                counts: dict[str, int] = {}
+                for why in u.reasons.values():
+                    counts[reason_class(why)] = counts.get(reason_class(why), 0) + 1
+                top = max(sorted(counts), key=lambda k: counts[k])
+            else:
+                top = "NoNode"
+            self._unplaced_reasons[top] = self._unplaced_reasons.get(top, 0) + 1
         noted = 0
         for u in plan.unplaced:  # queue order: the head of the queue is explained first
             if noted >= MAX_NOTES_PER_TICK:
@@ -291,6 +309,11 @@ class SchedulerLoop:
         units = self.reschedule_units(st, now) + self.drain_units(st, now)
         placement, placed, unplaced, evicted = self.placement_units(st, now)
         units += placement
+        if self.metrics is not None:
+            self.metrics.temperature_limit_c = st.config.temperature_limit_c
+            self.metrics.scheduler_tick(
+                self._queue, placed, evicted, time.perf_counter() - t0, self._unplaced_reasons
+            )
         if not units:
             return 0
         rev = await self.commit(fence, units, "schedule", t0)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -146,6 +147,8 @@ class EtcdStore:
         self._watch: Any = None
         self._keeper: LeaseKeeper | None = None
         self._creds: grpc.ChannelCredentials | None = None
+        # called after every request with (operation, seconds, failed); the replica's metrics
+        self.observer: Callable[[str, float, bool], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def _credentials(self) -> grpc.ChannelCredentials:
@@ -213,9 +216,17 @@ class EtcdStore:
             except grpc.aio.AioRpcError as e:
                 raise translate(e, what) from None
 
-        if not retry:
-            return await once()
-        return await retry_until(once, self.settings.retry_deadline_s)
+        observer = self.observer
+        if observer is None:
+            return await (once() if not retry else retry_until(once, self.settings.retry_deadline_s))
+        t0 = time.perf_counter()
+        failed = True
+        try:
+            out = await (once() if not retry else retry_until(once, self.settings.retry_deadline_s))
+            failed = False
+            return out
+        finally:
+            observer(what.split(" ", 1)[0], time.perf_counter() - t0, failed)
 
     @property
     def _timeout(self) -> float:

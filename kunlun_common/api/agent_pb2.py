@@ -26,7 +26,7 @@ from kunlun_common.api import types_pb2 as kunlun_dot_v1_dot_types__pb2
 from kunlun_common.api import workload_pb2 as kunlun_dot_v1_dot_workload__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kunlun/v1/agent.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\x1a\x18kunlun/v1/workload.proto\"\x82\x01\n\nAssignment\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bworkload_id\x18\x02 \x01(\t\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"E\n\x0b\x41ssignments\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.Assignment\x12\x10\n\x08revision\x18\x02 \x01(\x03\"\xd2\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x12\n\noom_killed\x18\x08 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\t \x01(\x03\x12\x18\n\x10ready_at_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x0b \x03(\t\x12\x11\n\tenv_names\x18\x0c \x03(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\r \x03(\t\x12\x17\n\x0fprepare_seconds\x18\x0e \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0f \x01(\x01\x12\x13\n\x0bworkload_id\x18\x10 \x01(\t\"a\n\x0eInstanceReport\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.kunlun.v1.InstanceStatus\x12\x13\n\x0bprotections\x18\x02 \x03(\t\x12\x0c\n\x04note\x18\x03 \x01(\t\"\xb9\x01\n\x0cRegisterNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsimulated\x18\x03 \x01(\x08\x12\"\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x11.kunlun.v1.Device\x12\x15\n\ragent_version\x18\x05 \x01(\t\x12\x11\n\tagent_pid\x18\x06 \x01(\x05\x12\x13\n\x0b\x63onfig_path\x18\x07 \x01(\t\x12\x14\n\x0cnode_service\x18\x08 \x01(\t\"\x8b\x01\n\x0c\x44\x65viceSample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\ttelemetry\x18\x02 \x01(\x0b\x32\x1a.kunlun.v1.DeviceTelemetry\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.kunlun.v1.DeviceStatus\x12\x15\n\rstatus_reason\x18\x04 \x01(\t\"[\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.kunlun.v1.DeviceSample\"\x9b\x01\n\x0c\x41gentMessage\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.kunlun.v1.RegisterNodeH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kunlun.v1.HeartbeatH\x00\x12+\n\x06report\x18\x03 \x01(\x0b\x32\x19.kunlun.v1.InstanceReportH\x00\x42\x06\n\x04kind\"9\n\x0bRegisterAck\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x03\",\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\"\xa9\x01\n\x0eReplicaMessage\x12.\n\x0cregister_ack\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RegisterAckH\x00\x12\x30\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.HeartbeatAckH\x00\x12-\n\x0b\x61ssignments\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.AssignmentsH\x00\x42\x06\n\x04kind\"@\n\x0bLogsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\".\n\x08LogChunk\x12\r\n\x05lines\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t2D\n\x0bNodeService\x12\x35\n\x04Logs\x12\x16.kunlun.v1.LogsRequest\x1a\x13.kunlun.v1.LogChunk0\x01\x32Q\n\x0c\x41gentService\x12\x41\n\x07\x43onnect\x12\x17.kunlun.v1.AgentMessage\x1a\x19.kunlun.v1.ReplicaMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kunlun/v1/agent.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\x1a\x18kunlun/v1/workload.proto\"\x82\x01\n\nAssignment\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bworkload_id\x18\x02 \x01(\t\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"E\n\x0b\x41ssignments\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.Assignment\x12\x10\n\x08revision\x18\x02 \x01(\x03\"\xd2\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x12\n\noom_killed\x18\x08 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\t \x01(\x03\x12\x18\n\x10ready_at_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x0b \x03(\t\x12\x11\n\tenv_names\x18\x0c \x03(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\r \x03(\t\x12\x17\n\x0fprepare_seconds\x18\x0e \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0f \x01(\x01\x12\x13\n\x0bworkload_id\x18\x10 \x01(\t\"a\n\x0eInstanceReport\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.kunlun.v1.InstanceStatus\x12\x13\n\x0bprotections\x18\x02 \x03(\t\x12\x0c\n\x04note\x18\x03 \x01(\t\"\xd2\x01\n\x0cRegisterNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsimulated\x18\x03 \x01(\x08\x12\"\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x11.kunlun.v1.Device\x12\x15\n\ragent_version\x18\x05 \x01(\t\x12\x11\n\tagent_pid\x18\x06 \x01(\x05\x12\x13\n\x0b\x63onfig_path\x18\x07 \x01(\t\x12\x14\n\x0cnode_service\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\"\x8b\x01\n\x0c\x44\x65viceSample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\ttelemetry\x18\x02 \x01(\x0b\x32\x1a.kunlun.v1.DeviceTelemetry\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.kunlun.v1.DeviceStatus\x12\x15\n\rstatus_reason\x18\x04 \x01(\t\"[\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.kunlun.v1.DeviceSample\"\x9b\x01\n\x0c\x41gentMessage\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.kunlun.v1.RegisterNodeH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kunlun.v1.HeartbeatH\x00\x12+\n\x06report\x18\x03 \x01(\x0b\x32\x19.kunlun.v1.InstanceReportH\x00\x42\x06\n\x04kind\"9\n\x0bRegisterAck\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x03\",\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\"\xa9\x01\n\x0eReplicaMessage\x12.\n\x0cregister_ack\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RegisterAckH\x00\x12\x30\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.HeartbeatAckH\x00\x12-\n\x0b\x61ssignments\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.AssignmentsH\x00\x42\x06\n\x04kind\"@\n\x0bLogsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\".\n\x08LogChunk\x12\r\n\x05lines\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t2D\n\x0bNodeService\x12\x35\n\x04Logs\x12\x16.kunlun.v1.LogsRequest\x1a\x13.kunlun.v1.LogChunk0\x01\x32Q\n\x0c\x41gentService\x12\x41\n\x07\x43onnect\x12\x17.kunlun.v1.AgentMessage\x1a\x19.kunlun.v1.ReplicaMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,25 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSTANCEREPORT']._serialized_start=630
   _globals['_INSTANCEREPORT']._serialized_end=727
   _globals['_REGISTERNODE']._serialized_start=730
-  _globals['_REGISTERNODE']._serialized_end=915
-  _globals['_DEVICESAMPLE']._serialized_start=918
-  _globals['_DEVICESAMPLE']._serialized_end=1057
-  _globals['_HEARTBEAT']._serialized_start=1059
-  _globals['_HEARTBEAT']._serialized_end=1150
-  _globals['_AGENTMESSAGE']._serialized_start=1153
-  _globals['_AGENTMESSAGE']._serialized_end=1308
-  _globals['_REGISTERACK']._serialized_start=1310
-  _globals['_REGISTERACK']._serialized_end=1367
-  _globals['_HEARTBEATACK']._serialized_start=1369
-  _globals['_HEARTBEATACK']._serialized_end=1413
-  _globals['_REPLICAMESSAGE']._serialized_start=1416
-  _globals['_REPLICAMESSAGE']._serialized_end=1585
-  _globals['_LOGSREQUEST']._serialized_start=1587
-  _globals['_LOGSREQUEST']._serialized_end=1651
-  _globals['_LOGCHUNK']._serialized_start=1653
-  _globals['_LOGCHUNK']._serialized_end=1699
-  _globals['_NODESERVICE']._serialized_start=1701
-  _globals['_NODESERVICE']._serialized_end=1769
-  _globals['_AGENTSERVICE']._serialized_start=1771
-  _globals['_AGENTSERVICE']._serialized_end=1852
+  _globals['_REGISTERNODE']._serialized_end=940
+  _globals['_DEVICESAMPLE']._serialized_start=943
+  _globals['_DEVICESAMPLE']._serialized_end=1082
+  _globals['_HEARTBEAT']._serialized_start=1084
+  _globals['_HEARTBEAT']._serialized_end=1175
+  _globals['_AGENTMESSAGE']._serialized_start=1178
+  _globals['_AGENTMESSAGE']._serialized_end=1333
+  _globals['_REGISTERACK']._serialized_start=1335
+  _globals['_REGISTERACK']._serialized_end=1392
+  _globals['_HEARTBEATACK']._serialized_start=1394
+  _globals['_HEARTBEATACK']._serialized_end=1438
+  _globals['_REPLICAMESSAGE']._serialized_start=1441
+  _globals['_REPLICAMESSAGE']._serialized_end=1610
+  _globals['_LOGSREQUEST']._serialized_start=1612
+  _globals['_LOGSREQUEST']._serialized_end=1676
+  _globals['_LOGCHUNK']._serialized_start=1678
+  _globals['_LOGCHUNK']._serialized_end=1724
+  _globals['_NODESERVICE']._serialized_start=1726
+  _globals['_NODESERVICE']._serialized_end=1794
+  _globals['_AGENTSERVICE']._serialized_start=1796
+  _globals['_AGENTSERVICE']._serialized_end=1877
 # @@protoc_insertion_point(module_scope)

@@ -198,6 +198,7 @@ class RegisterNode(_message.Message):
     AGENT_PID_FIELD_NUMBER: _builtins.int
     CONFIG_PATH_FIELD_NUMBER: _builtins.int
     NODE_SERVICE_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Must equal the node named by the agent's certificate."""
     address: _builtins.str
@@ -207,6 +208,8 @@ class RegisterNode(_message.Message):
     config_path: _builtins.str
     node_service: _builtins.str
     """host:port of the agent's own NodeService (logs), reachable by replicas."""
+    metrics_address: _builtins.str
+    """host:port of the agent's Prometheus exporter (HTTPS, monitoring certificates); empty: none."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -220,10 +223,11 @@ class RegisterNode(_message.Message):
         agent_pid: _builtins.int = ...,
         config_path: _builtins.str = ...,
         node_service: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "node", b"node", "node_service", b"node_service", "simulated", b"simulated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "simulated", b"simulated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

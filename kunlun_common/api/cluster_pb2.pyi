@@ -148,12 +148,15 @@ class ReplicaInfo(_message.Message):
     LEADER_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     address: _builtins.str
     pid: _builtins.int
     leader: _builtins.bool
     started_at_unix_ms: _builtins.int
     version: _builtins.str
+    metrics_address: _builtins.str
+    """host:port of the replica's Prometheus exporter (empty: none)."""
     def __init__(
         self,
         *,
@@ -163,10 +166,11 @@ class ReplicaInfo(_message.Message):
         leader: _builtins.bool = ...,
         started_at_unix_ms: _builtins.int = ...,
         version: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "leader", b"leader", "name", b"name", "pid", b"pid", "started_at_unix_ms", b"started_at_unix_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "leader", b"leader", "metrics_address", b"metrics_address", "name", b"name", "pid", b"pid", "started_at_unix_ms", b"started_at_unix_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -300,6 +300,7 @@ class GatewayInfo(_message.Message):
     STARTED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Must equal the CN of the gateway's certificate."""
     address: _builtins.str
@@ -309,6 +310,8 @@ class GatewayInfo(_message.Message):
     version: _builtins.str
     replica: _builtins.str
     """Replica that took the last registration (filled in by the replica)."""
+    metrics_address: _builtins.str
+    """host:port of the gateway's Prometheus exporter (empty: none)."""
     def __init__(
         self,
         *,
@@ -318,10 +321,11 @@ class GatewayInfo(_message.Message):
         started_at_unix_ms: _builtins.int = ...,
         version: _builtins.str = ...,
         replica: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "pid", b"pid", "replica", b"replica", "started_at_unix_ms", b"started_at_unix_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "metrics_address", b"metrics_address", "name", b"name", "pid", b"pid", "replica", b"replica", "started_at_unix_ms", b"started_at_unix_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

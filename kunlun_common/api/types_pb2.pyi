@@ -195,6 +195,7 @@ class Node(_message.Message):
     NODE_SERVICE_FIELD_NUMBER: _builtins.int
     PROTECTIONS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     address: _builtins.str
     """The address its instances serve on (cluster address)."""
@@ -217,6 +218,8 @@ class Node(_message.Message):
     """host:port of the agent's NodeService (instance logs)."""
     note: _builtins.str
     """The agent's last note (e.g. "engines stopped: no replica reachable for 20s")."""
+    metrics_address: _builtins.str
+    """host:port of the agent's Prometheus exporter (empty: none)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]: ...
     @_builtins.property
@@ -243,10 +246,11 @@ class Node(_message.Message):
         node_service: _builtins.str = ...,
         protections: _abc.Iterable[_builtins.str] | None = ...,
         note: _builtins.str = ...,
+        metrics_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "connected_replica", b"connected_replica", "cordoned", b"cordoned", "devices", b"devices", "last_heartbeat_unix_ms", b"last_heartbeat_unix_ms", "name", b"name", "node_service", b"node_service", "not_ready_since_unix_ms", b"not_ready_since_unix_ms", "note", b"note", "protections", b"protections", "ready", b"ready", "registered_at_unix_ms", b"registered_at_unix_ms", "simulated", b"simulated", "updated_by", b"updated_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "connected_replica", b"connected_replica", "cordoned", b"cordoned", "devices", b"devices", "last_heartbeat_unix_ms", b"last_heartbeat_unix_ms", "metrics_address", b"metrics_address", "name", b"name", "node_service", b"node_service", "not_ready_since_unix_ms", b"not_ready_since_unix_ms", "note", b"note", "protections", b"protections", "ready", b"ready", "registered_at_unix_ms", b"registered_at_unix_ms", "simulated", b"simulated", "updated_by", b"updated_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
