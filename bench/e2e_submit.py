@@ -29,7 +29,7 @@ from bench.heartbeats import _EOF, SimAgent
 from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, workload_pb2, workload_pb2_grpc
-from kunlun_common.pki import issue, paths_for
+from kunlun_common.pki import etcd_client_paths, issue, paths_for
 from kunlun_common.tls import channel_credentials, load_tls
 
 
@@ -102,7 +102,7 @@ async def measure(
     cluster: LocalCluster, nodes: int, workloads: int, clients: int, within_s: float
 ) -> dict[str, Any]:
     eps = cluster.endpoints
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cluster.cert_dir)
     store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
     cas = await cas_rate(store, 300)
     print(f"raw CAS (compare + 2 puts, one at a time): {cas:.0f}/s", flush=True)
