@@ -26,6 +26,7 @@ import grpc
 
 from bench.common import temp_cluster
 from bench.heartbeats import _EOF, SimAgent
+from controlplane import keys
 from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, workload_pb2, workload_pb2_grpc
@@ -81,13 +82,13 @@ async def cas_rate(store: EtcdStore, n: int) -> float:
     fenced single-placement commit)."""
     t0 = time.perf_counter()
     for i in range(n):
-        k = f"/bench-cas/{i}"
+        k = f"{keys.ROOT}bench-cas/{i}"  # inside the replicas' etcd permission; no consumer reads it
         res = await store.txn(
             [Compare.absent(k), Compare.absent(k + "-i")], [PutOp(k, b"x"), PutOp(k + "-i", b"y")]
         )
         assert res.succeeded
     rate = n / (time.perf_counter() - t0)
-    await store.delete("/bench-cas/", prefix=True)
+    await store.delete(keys.ROOT + "bench-cas/", prefix=True)
     return rate
 
 
