@@ -15,9 +15,11 @@ from controlplane.cli import (
     cluster_cmd,
     declaration_cmd,
     device_cmd,
+    endpoint_cmd,
     gateway_cmd,
     model_cmd,
     node_cmd,
+    node_engines_cmd,
     rollout_cmd,
     scheduler_cmd,
     telemetry_cmd,
@@ -82,11 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
+    endpoint_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
     telemetry_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
+    node_engines_cmd.register(sub, common)
     return p
 
 
