@@ -12,6 +12,7 @@ from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.fencing import node_problems, registered_nodes
+from controlplane.redact import workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
@@ -74,7 +75,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
             w = records.decode_workload(kv)
             ii = insts.get(w.id, [])
             out.append(
-                workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+                workload_pb2.WorkloadSummary(
+                    workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+                )
             )
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
         return workload_pb2.ListWorkloadsResponse(workloads=out)
@@ -85,7 +88,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.WorkloadSummary:
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
-        return workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+        return workload_pb2.WorkloadSummary(
+            workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+        )
 
     @rpc
     async def ScaleWorkload(
