@@ -41,6 +41,31 @@ def _size(u: Unit) -> int:
     return sum(len(o.key) + len(getattr(o, "value", b"")) + 16 for o in u.ops) + 48 * len(u.compares)
 
 
+def unit_keys(u: Unit) -> set[str]:
+    """Every key a unit compares or writes."""
+    return {c.key for c in u.compares} | {o.key for o in u.ops}
+
+
+def disjoint(units: list[Unit]) -> tuple[list[Unit], list[Unit]]:
+    """Keep the first unit for every key; defer the later ones that touch a key already taken.
+
+    One tick can reach the same instance twice (a spec update releases it while a drain moves it);
+    etcd refuses a transaction that names a key twice, and two decisions built from the same record
+    must not both commit. A deferred unit is recomputed on the next tick from the new state.
+    """
+    taken: set[str] = set()
+    kept: list[Unit] = []
+    deferred: list[Unit] = []
+    for u in units:
+        ks = unit_keys(u)
+        if ks & taken:
+            deferred.append(u)
+            continue
+        taken |= ks
+        kept.append(u)
+    return kept, deferred
+
+
 def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_TXN_BYTES) -> list[list[Unit]]:
     """Greedy packing of units into transactions within etcd's per-list limit and request size."""
     batches: list[list[Unit]] = []

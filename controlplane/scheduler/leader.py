@@ -22,6 +22,7 @@ from controlplane.rollout import CANARY, canary_count
 from controlplane.scheduler.actions import (
     Unit,
     create_instance,
+    disjoint,
     note_unplaced,
     pack,
     place_instance,
@@ -326,12 +327,16 @@ class SchedulerLoop:
         self.observe(st, time.monotonic())  # every tick, so a grace never starts late
         if st.config_error:
             log.warning("stored scheduler config unreadable; using defaults", error=st.config_error)
-        units = self.lifecycle_units(st)
+        units, _ = disjoint(self.lifecycle_units(st))
         if units:  # structure first; placement on the next tick sees the new instances
             return await self.commit(fence, units, "lifecycle", t0)
         units = self.reschedule_units(st, time.monotonic()) + self.drain_units(st, now)
         placement, placed, unplaced, evicted = self.placement_units(st, now)
-        units += placement
+        units, deferred = disjoint(units + placement)
+        if deferred:
+            log.info(
+                "decisions on a key already decided this tick deferred", deferred=[u.what for u in deferred]
+            )
         if self.metrics is not None:
             self.metrics.temperature_limit_c = st.config.temperature_limit_c
             self.metrics.scheduler_tick(
