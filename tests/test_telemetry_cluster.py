@@ -138,7 +138,7 @@ def chat(gateway: str) -> int:
 
 
 def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
-    prometheus: Prometheus, cluster: LocalCluster
+    prometheus: Prometheus, cluster: LocalCluster, cli_config: Path
 ) -> None:
     targets = json.loads((prometheus.base / "targets" / "kunlun.json").read_text())
     assert sorted(t["labels"]["job"] for t in targets) == ["agent"] * 2 + ["gateway"] * 3 + ["replica"] * 3
@@ -211,6 +211,18 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             ),
             30,
             "every request's time to first byte",
+        )
+        # the load balance figure: in `workload describe` and exported by the leader
+        lb = cli_json(cli_config, "workload", "describe", "chat")["load_balance"]
+        assert lb["devices"] == 1 and lb["stddev"] == 0 and lb["max_min"] == 0
+        assert (
+            "Load balance: utilization across 1 devices"
+            in cli(cli_config, "workload", "describe", "chat").stdout
+        )
+        wait_for(
+            lambda: prometheus.query('kunlun_workload_utilization_stddev_ratio{workload="chat"} == 0'),
+            30,
+            "chat's utilization spread exported",
         )
     finally:
         delete_all(cluster)
