@@ -97,6 +97,62 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     assert not leaked, f"leaked asyncio tasks: {[t.get_name() for t in leaked]}"
 
 
+MARKERS = {
+    "unit": "no etcd, no cluster, no root, no processes started: runs in seconds (`pytest -m unit`)",
+    "etcd": "uses the shared real 3-member TLS etcd (the `etcd` fixture, or `store` on it)",
+    "cluster": "uses a whole local cluster (a fixture named `*cluster`): replicas, agents, etcd",
+    "root": "needs root (cgroups, namespaces); skipped elsewhere",
+    "process": "starts real processes (engines, gateways, supervisors, vendor tools) without a cluster",
+}
+"""Applied by `pytest_collection_modifyitems` from what a test uses; registered in pyproject.toml."""
+
+PROCESS_MODULES = (
+    "subprocess",
+    "devcluster.procs",
+    "tests.test_gateway_support",
+    "node_agent.executor.supervisor",
+    "node_agent.executor.supervisor_api",
+    "node_agent.executor.manager",
+    "node_agent.executor.instance",
+    "node_agent.executor.sandbox",
+    "node_agent.plugins.host",
+    "node_agent.plugins.remote",
+    "node_agent.plugins.vendor_plugin",
+    "node_agent.devices",
+    "chaos",
+)
+"""A test module that imports from one of these (or a submodule) starts processes."""
+
+
+def _starts_processes(module: object) -> bool:
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, type(os)) else getattr(value, "__module__", None)
+        if isinstance(name, str) and any(name == m or name.startswith(m + ".") for m in PROCESS_MODULES):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by the fixtures it uses (transitively) and what its module starts."""
+    starts: dict[object, bool] = {}
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        kinds = set()
+        if "etcd" in used:
+            kinds.add("etcd")
+        if any(name.endswith("cluster") for name in used):
+            kinds.add("cluster")
+        if any("needs root" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            kinds.add("root")
+        module = getattr(item, "module", None)
+        if module is not None and module not in starts:
+            starts[module] = _starts_processes(module)
+        if not kinds and starts.get(module):
+            kinds.add("process")
+        for kind in kinds or {"unit"}:
+            item.add_marker(getattr(pytest.mark, kind))
+
+
 def start_cluster(base: Path, **kw: object) -> LocalCluster:
     cluster = LocalCluster(ClusterSpec(base_dir=base, **kw))  # type: ignore[arg-type]
     try:

@@ -283,21 +283,47 @@ def seqs(lines: list[str]) -> list[int]:
     return [int(m.group(1)) for line in lines if (m := re.search(r"kunlun-test-engine log seq=(\d+) ", line))]
 
 
+CHAT: dict[str, object] = dict(
+    name="chat",
+    model="demo-model",
+    devices_per_instance=1,
+    memory_per_device_mb=1000,
+    replicas=1,
+    pin="node-a/ascend:0",
+    env={"KUNLUN_TEST_SPEC_VAR": "from-the-spec"},
+)
+CHATTY: dict[str, object] = dict(
+    name="chatty",
+    model="demo-model",
+    devices_per_instance=1,
+    memory_per_device_mb=1000,
+    replicas=1,
+    pin="node-a/ascend:1",
+    engine_args=["--log-lines-per-second", "200"],
+)
+
+
+def serving(cluster: LocalCluster, spec: dict[str, object]) -> workload_pb2.Instance:
+    """The workload of `spec` Running, submitted if this test is the first to need it (submitting
+    an unchanged spec changes nothing), so that every test runs alone and in any order."""
+    submit(cluster, **spec)
+    return running(cluster, str(spec["name"]))
+
+
+def restart_agent(cluster: LocalCluster, node: str) -> None:
+    """Start the node's agent again, with the environment the fixture gave the first one."""
+    os.environ[AGENT_SECRET] = "must-not-reach-engines"
+    try:
+        cluster.start_agent(cluster.spec.node_configs[cluster.node_names().index(node)], node)
+    finally:
+        del os.environ[AGENT_SECRET]
+
+
 # ------------------------------------------------------------------------------------ tests
 
 
 def test_assigned_instance_runs_sandboxed_and_answers(cluster: LocalCluster) -> None:
-    submit(
-        cluster,
-        name="chat",
-        model="demo-model",
-        devices_per_instance=1,
-        memory_per_device_mb=1000,
-        replicas=1,
-        pin="node-a/ascend:0",
-        env={"KUNLUN_TEST_SPEC_VAR": "from-the-spec"},
-    )
-    inst = running(cluster, "chat")
+    inst = serving(cluster, CHAT)
     assert "kunlun-test-engine" in inst.reason and "SGLang is not installed on node-a" in inst.reason
     status, body = http(
         inst.endpoint,
@@ -340,7 +366,7 @@ def test_assigned_instance_runs_sandboxed_and_answers(cluster: LocalCluster) -> 
 
 
 def test_killed_engine_is_restarted(cluster: LocalCluster) -> None:
-    before = running(cluster, "chat")
+    before = serving(cluster, CHAT)
     os.kill(before.pid, signal.SIGKILL)
 
     def restarted() -> bool:
@@ -382,14 +408,15 @@ def test_engine_over_its_memory_limit_is_oom_killed(cluster: LocalCluster) -> No
 
 
 def test_logs_come_through_the_control_plane(cluster: LocalCluster) -> None:
+    serving(cluster, CHAT)
     lines = logs(cluster, "chat")
     assert any("kunlun-test-engine ready on" in line for line in lines), lines[-20:]
     assert len(logs(cluster, "chat", tail=1)) == 1
 
 
 def test_node_service_serves_replicas_only(cluster: LocalCluster) -> None:
+    inst = serving(cluster, CHAT)
     node = nodes(cluster)["node-a"]
-    inst = instance(cluster, "chat")
     req = agent_pb2.LogsRequest(instance_id=inst.id, tail=5)
     for role, name, ok in (
         ("replica", "replica-1", True),
@@ -414,18 +441,8 @@ def test_node_service_serves_replicas_only(cluster: LocalCluster) -> None:
 
 
 def test_agent_killed_and_restarted_adopts_its_engines(cluster: LocalCluster) -> None:
-    submit(
-        cluster,
-        name="chatty",
-        model="demo-model",
-        devices_per_instance=1,
-        memory_per_device_mb=1000,
-        replicas=1,
-        pin="node-a/ascend:1",
-        engine_args=["--log-lines-per-second", "200"],
-    )
-    chatty = running(cluster, "chatty")
-    chat = running(cluster, "chat")
+    chatty = serving(cluster, CHATTY)
+    chat = serving(cluster, CHAT)
     log_file = instance_dir(cluster, "node-a", chatty.id) / "engine.log"
     agent = cluster.agents["node-a"]
     agent.kill()
@@ -436,7 +453,7 @@ def test_agent_killed_and_restarted_adopts_its_engines(cluster: LocalCluster) ->
         "the engine to keep logging without its agent",
     )
     assert pid_alive(chatty.pid) and pid_alive(chat.pid)
-    cluster.start_agent(cluster.spec.node_configs[0], "node-a")
+    restart_agent(cluster, "node-a")
     wait_for(lambda: "adopting engine" in cluster.agents["node-a"].log_text(), 30, "the new agent to adopt")
     again = running(cluster, "chatty", timeout=30)
     assert again.pid == chatty.pid and again.restarts == chatty.restarts
@@ -510,8 +527,8 @@ def test_agent_cut_off_from_every_replica_stops_its_engines(cluster: LocalCluste
 
 def test_deleted_workloads_leave_no_process_cgroup_or_dir(cluster: LocalCluster) -> None:
     gone = []
-    for name in ("chat", "chatty"):
-        inst = running(cluster, name)
+    for spec in (CHAT, CHATTY):
+        inst = serving(cluster, spec)
         d = instance_dir(cluster, "node-a", inst.id)
         state = read_state(d)
         assert state is not None

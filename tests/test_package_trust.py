@@ -209,7 +209,19 @@ def test_submit_checks_a_package_against_the_devices_and_writes_nothing(
     r = cli("workload", "submit", "--package", ref, "--preferred-device-types", "nvidia", home=op)
     assert r.returncode == 1 and "devices: no device of type nvidia" in r.stderr
     assert json.loads(cli("workload", "list", "-o", "json", home=op).stdout)["items"] == []  # nothing written
-    # Split over two devices and run at int8: every check passes and the workload is written.
+    # Split over two devices and run at int8: every check passes. A dry run says where, writes nothing.
+    r = cli(
+        "workload", "submit", "--package", ref, "--quantization", "int8", "--devices-per-instance", "2",
+        "--dry-run", "-o", "json", home=op,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    dry = json.loads(r.stdout)
+    assert dry["result"] == "dry-run"
+    assert dry["plan"][0].startswith("instance 0: node-a/ascend:0, node-a/ascend:1 (score")
+    r = cli("workload", "submit", "--package", ref, "--quantization", "int8", "--devices-per-instance", "2",
+            "--replicas", "2", "--dry-run", home=op)  # fmt: skip
+    assert r.returncode == 0 and "instance 1: not placed now (node-a:" in r.stdout, r.stdout
+    assert json.loads(cli("workload", "list", "-o", "json", home=op).stdout)["items"] == []
     r = cli(
         "workload", "submit", "--package", ref, "--quantization", "int8", "--devices-per-instance", "2",
         "-o", "json", home=op,

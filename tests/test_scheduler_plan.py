@@ -23,16 +23,8 @@ from controlplane.scheduler import (
     order_pending,
     schedule,
 )
-from controlplane.scheduler.filters import STAGE_PASSED, Requirement, device_stage, filter_node
-from controlplane.scheduler.scores import (
-    NODE_WEIGHT,
-    compute_score,
-    device_score,
-    is_busy,
-    node_score,
-    set_distance,
-    tflops,
-)
+from controlplane.scheduler.filters import FILTERS, Depends, Requirement, Scope
+from controlplane.scheduler.scores import SCORES, ScoreScope, is_busy, set_distance, tflops
 from kunlun_common.names import device_name
 
 ASCEND_ROWS = ((0, 1, 2, 2), (1, 0, 2, 2), (2, 2, 0, 1), (2, 2, 1, 0))
@@ -414,8 +406,8 @@ def test_no_preemption_for_normal_or_of_equal_priority() -> None:
 
 
 def _reference(graph: GraphSnapshot, pending: list[PendingInstance], config: SchedulerConfig) -> list[object]:
-    """Greedy placement by scanning every device subset of every node for every instance."""
-    limit = config.temperature_limit_c
+    """Greedy placement by scanning every device subset of every node for every instance, running
+    every line of the filter and score tables on every device (no profiles, groups or pools)."""
     best_tflops = {m: max(tflops(d, m) for d in graph.devices()) for m in ("fp16", "bf16", "int8")}
     widest = max(len(n.devices) for n in graph.nodes)
     taken: set[str] = set()
@@ -424,28 +416,37 @@ def _reference(graph: GraphSnapshot, pending: list[PendingInstance], config: Sch
         req = Requirement.of(inst.workload)
         best: tuple[tuple[object, ...], tuple[str, ...]] | None = None
         for node in graph.nodes:
-            if filter_node(node) is not None:
+            if any(f.check(node, config) for f in FILTERS if f.scope is Scope.NODE):
                 continue
             free = [d.allocated_to is None and d.name not in taken for d in node.devices]
-            ready = [d.status == "Ready" and d.temperature_c < limit for d in node.devices]
+            conditions = [f for f in FILTERS if f.depends is Depends.CONDITION]
+            ready = [not any(f.check(d, config) for f in conditions) for d in node.devices]
             free_count = sum(f and r for f, r in zip(free, ready, strict=True))
             ok = [
                 pos
                 for pos, d in enumerate(node.devices)
                 if free[pos]
-                and device_stage(d, req, limit)[0] == STAGE_PASSED
-                and (d.p2p_enabled or not req.require_p2p)
+                and not any(
+                    f.check(d, config) if f.depends is Depends.CONDITION else f.check(d, req)
+                    for f in FILTERS
+                    if f.scope is not Scope.NODE
+                )
             ]
             for positions in combinations(ok, req.devices):
                 devs = [node.devices[p] for p in positions]
                 if len({d.device_type for d in devs}) > 1:
                     continue
                 own = [
-                    device_score(d.utilization_pct, d.temperature_c, limit)
-                    + compute_score(tflops(d, req.compute_metric), best_tflops[req.compute_metric])
+                    sum(s.weight * s.fn(d, config) for s in SCORES if s.scope is ScoreScope.DEVICE)
+                    + sum(
+                        s.weight * s.fn(d, req, best_tflops) for s in SCORES if s.scope is ScoreScope.PROFILE
+                    )
                     for d in devs
                 ]
-                score = NODE_WEIGHT * node_score(free_count, widest, config.policy) + sum(own) / len(own)
+                node_part = sum(
+                    s.weight * s.fn(free_count, widest, config) for s in SCORES if s.scope is ScoreScope.NODE
+                )
+                score = node_part + sum(own) / len(own)
                 key = (
                     max(int(is_busy(d.utilization_pct, config.min_gpu_utilization_threshold)) for d in devs),
                     req.rank_of(devs[0].device_type),

@@ -18,6 +18,7 @@ from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc_stream
 from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions, validate_registration
+from controlplane.report_owner import owned_report
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import KunlunError
 from kunlun_common.tls import Identity
@@ -99,7 +100,7 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                             )
                         )
                 elif kind == "report":
-                    await self.sessions.report(session, msg.report)
+                    await self.sessions.report(session, owned_report(self.feeds, session.node, msg.report))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:

@@ -5,7 +5,8 @@ Gateways hold no etcd credentials; everything they need comes through here (and 
 `controlplane/gateways/`; the keys written are listed in `controlplane/keys.py`.
 
 A gateway calls Heartbeat every few seconds: the first call (or the first after it moved to
-another replica) grants a lease and writes its record; later calls only refresh that lease (any
+another replica) grants a lease and writes its record; later calls only refresh that lease — the
+one granted to that gateway, checked server-side, never another id the caller names — (any
 replica can), so a live idle gateway costs no etcd writes and a dead one disappears after the TTL.
 Heartbeats carry the gateway's cumulative traffic counters; the replica stores them (bound to the
 gateway's lease) when they changed, at most every STATS_MIN_INTERVAL_S per gateway, so the leader's
@@ -80,6 +81,8 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
         self.replica_name = replica_name
         # gateway -> (counters last written, when (monotonic), lease they were bound to)
         self._stats_written: dict[str, tuple[bytes, float, int]] = {}
+        # gateway -> the lease granted to it (kept server-side: a heartbeat refreshes only this one)
+        self._leases: dict[str, int] = {}
 
     # ------------------------------------------------------------------ API keys
     @rpc
@@ -127,7 +130,7 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
         if not _GATEWAY_NAME_RE.match(info.name):
             raise InvalidInput(f"name: {info.name!r} is not a valid name")
         ttl = min(60, max(3, request.ttl_s or 10))
-        if request.lease:
+        if request.lease and await self._granted_to(info.name, request.lease):
             try:
                 left = await self.store.lease_keepalive(request.lease)
             except PermanentError:
@@ -138,12 +141,25 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
                     lease=request.lease, ttl_s=left, replica=self.replica_name
                 )
         lease = await self.store.lease_grant(ttl)
+        self._leases[info.name] = lease
         rec = gateway_pb2.GatewayInfo()
         rec.CopyFrom(info)
         rec.replica = self.replica_name
         await self.store.put(keys.gateway(info.name), keys.encode_message(rec), lease)
         await self._store_stats(request, lease)
         return gateway_pb2.GatewayHeartbeatResponse(lease=lease, ttl_s=ttl, replica=self.replica_name)
+
+    async def _granted_to(self, gateway: str, lease: int) -> bool:
+        """Whether `lease` is the one a replica granted `gateway`: this replica's own grant, or (after
+        the gateway moved here) the lease its registration record is bound to in etcd. Any other id
+        (another gateway's, the leader's, a node's: lease ids are guessable) is never refreshed."""
+        if self._leases.get(gateway) == lease:
+            return True
+        kv = await self.store.get(keys.gateway(gateway))
+        if kv is not None and kv.lease == lease:
+            self._leases[gateway] = lease
+            return True
+        return False
 
     async def _store_stats(self, request: gateway_pb2.GatewayHeartbeatRequest, lease: int) -> None:
         """Write the gateway's counters (bound to its lease) when they changed, at most every

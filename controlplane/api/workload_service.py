@@ -16,6 +16,7 @@ from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_confi
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
 from controlplane.workloads import records
+from controlplane.workloads.dry_run import dry_run_plan
 from controlplane.workloads.package_checks import package_problems
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
@@ -55,6 +56,11 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         spec = checked(request.spec)
         if problems := await package_problems(self.store, spec):
             raise SpecError(problems)
+        if request.dry_run:
+            plan = await dry_run_plan(self.store, spec)
+            return workload_pb2.SubmitWorkloadResponse(
+                workload=workload_pb2.Workload(spec=spec), result="dry-run", plan=plan
+            )
         w, result = await records.submit(self.store, spec, str(who))
         return workload_pb2.SubmitWorkloadResponse(workload=w, result=result)
 

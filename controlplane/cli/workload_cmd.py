@@ -38,6 +38,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--batch-size", type=int)
     s.add_argument("--max-concurrency", type=int)
     s.add_argument("--require-p2p", action="store_true", default=None)
+    s.add_argument("--dry-run", action="store_true", help="check and show where it would land; write nothing")
     s.add_argument("--package", help="model package NAME@sha256:DIGEST from the cluster store (`model list`)")
     s.set_defaults(handler=submit)
     ls = ws.add_parser("list", help="ID NAME PHASE INSTANCES TARGET AGE", parents=[common])
@@ -113,9 +114,22 @@ def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
 def submit(args: argparse.Namespace) -> int:
     client = _client(args)
     resp = client.workloads(
-        lambda s: s.SubmitWorkload, workload_pb2.SubmitWorkloadRequest(spec=build_spec(args))
+        lambda s: s.SubmitWorkload,
+        workload_pb2.SubmitWorkloadRequest(
+            spec=build_spec(args), dry_run=bool(getattr(args, "dry_run", False))
+        ),
     )
     w = resp.workload
+    if resp.result == "dry-run":
+        if args.output == "json":
+            print_json(
+                {"name": w.spec.name, "result": "dry-run", "plan": list(resp.plan), "spec": spec_json(w.spec)}
+            )
+        else:
+            print(f"workload {w.spec.name}: dry run, nothing written; spec valid")
+            for line in resp.plan:
+                print(f"  {line}")
+        return 0
     if args.output == "json":
         print_json(
             {

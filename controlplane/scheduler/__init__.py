@@ -4,7 +4,9 @@
 the running instances (for preemption), the scheduler config and a clock to a `Plan`. It does no
 I/O: the leader commits the plan in fenced etcd transactions and calls it again when a commit is
 rejected. Modules: `model` (inputs and outputs), `config` (`SchedulerConfig`, YAML), `queue`
-(weighted fair ordering), `filters` (reason codes), `scores`, `index` (per-call indexes) and `plan`.
+(weighted fair ordering), `requirement` (what an instance needs), `filters` (the feasibility table,
+`FILTERS`, and the reason codes), `scores` (the rank table, `SCORES`), `index` (per-call indexes)
+and `plan` (`schedule()`).
 """
 
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml

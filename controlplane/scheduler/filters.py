@@ -1,20 +1,70 @@
-"""Filters: whether a node or a device may take an instance, and if not, why.
+"""Filters: whether a node or a device may take an instance, and if not, why — as one ordered table.
 
-Each filter returns None when the candidate passes, else a reason (the exact strings below are shown
-by the CLI and asserted by tests). Device filters run in `DEVICE_FILTER_STAGES` order: capability
-first (type, pin, precision, memory), then condition (status, temperature); freeness is checked last,
-by the caller. A node reports the reason of the device that got furthest through that chain.
+`FILTERS` is the feasibility stack (after Nomad's): every entry is a `Filter` (name, scope, check,
+reason). Both the index (`index.py`, once per snapshot) and the planner (`plan.py`, once per
+requirement) iterate it; nothing else encodes the chain. A check returns None when the candidate
+passes, else the reason shown by the CLI (the exact strings below are asserted by tests).
+
+Scopes, in the order they run:
+
+- `node`: `check(node, config)`; a failing node takes nothing (NodeNotReady, NodeCordoned).
+- `device`: one device at a time, in table order; the first failing filter is the device's stage,
+  and a node reports the reason of its device group that got furthest (among equals, the one with
+  the largest `rank`). A device filter depends on one of:
+  - `Depends.PROFILE` — the device's capabilities (type, model, memory, precisions, throughput)
+    and the requirement: `check(device, req)`, run once per profile of identical devices;
+  - `Depends.DEVICE` — which device it is, and the requirement: `check(device, req)` per device;
+  - `Depends.CONDITION` — the device's condition now and the config, not the requirement:
+    `check(device, config)`, run once per device per snapshot.
+- `group`: a device condition that matters only for a set of devices (`check(device, req)`); its
+  reason is reported when a node has enough devices passing the device filters but too few of
+  them pass it. Freeness is checked last, by the planner (NoFreeDevice).
+
+A new filter: write its check, add one line to `FILTERS` at the stage it belongs, add its test.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
+from enum import Enum
 
-from controlplane.scheduler.model import DeviceView, NodeView, WorkloadReq
+from controlplane.scheduler.config import SchedulerConfig
+from controlplane.scheduler.model import DeviceView, NodeView
+from controlplane.scheduler.requirement import (
+    INT8_QUANTIZATIONS,
+    Pin,
+    Requirement,
+    RequirementInputs,
+    parse_pin,
+    requirement_key,
+)
 from kunlun_common.states import DeviceState
+
+__all__ = [
+    "CARD_TYPE_MISMATCH",
+    "CONDITIONS",
+    "DEVICE_FILTERS",
+    "DEVICE_NOT_READY",
+    "FILTERS",
+    "GROUP_FILTERS",
+    "INT8_QUANTIZATIONS",
+    "NODE_CORDONED",
+    "NODE_FILTERS",
+    "NODE_NOT_READY",
+    "NO_FREE_DEVICE",
+    "NO_P2P_GROUP",
+    "PIN_MISMATCH",
+    "Depends",
+    "Filter",
+    "Pin",
+    "Requirement",
+    "RequirementInputs",
+    "Scope",
+    "filter_node",
+    "parse_pin",
+    "requirement_key",
+]
 
 NO_FREE_DEVICE = "NoFreeDevice"
 CARD_TYPE_MISMATCH = "CardTypeMismatch"
@@ -23,19 +73,10 @@ DEVICE_NOT_READY = "DeviceNotReady"
 NODE_NOT_READY = "NodeNotReady"
 NODE_CORDONED = "NodeCordoned"
 NO_P2P_GROUP = "NoP2PGroup"
-
-# Stages of the device filter chain; a larger stage got further.
-STAGE_TYPE = 0
-STAGE_PIN = 1
-STAGE_DTYPE = 2
-STAGE_MEMORY = 3
-STAGE_STATUS = 4
-STAGE_TEMPERATURE = 5
-STAGE_PASSED = 6
-DEVICE_FILTER_STAGES = ("type", "pin", "dtype", "memory", "status", "temperature")
-
-INT8_QUANTIZATIONS = frozenset({"int8", "w8a8"})
-"""Quantizations served by int8 kernels: a device supporting either name qualifies."""
+UNSUPPORTED_DTYPE = "UnsupportedDtype"
+INSUFFICIENT_MEMORY = "InsufficientMemory"
+TOO_HOT = "TooHot"
+INSUFFICIENT_DEVICES = "InsufficientDevices"
 
 
 def _num(value: float) -> str:
@@ -44,184 +85,198 @@ def _num(value: float) -> str:
 
 def unsupported_dtype(needed: str, supported: tuple[str, ...]) -> str:
     """`UnsupportedDtype (int8 not in [fp16])`."""
-    return f"UnsupportedDtype ({needed} not in [{', '.join(supported)}])"
+    return f"{UNSUPPORTED_DTYPE} ({needed} not in [{', '.join(supported)}])"
 
 
 def insufficient_memory(needed_mb: int, free_mb: int) -> str:
     """`InsufficientMemory (needs 40000 MB, 32768 free)`; `free_mb` is the best device's HBM."""
-    return f"InsufficientMemory (needs {needed_mb} MB, {free_mb} free)"
+    return f"{INSUFFICIENT_MEMORY} (needs {needed_mb} MB, {free_mb} free)"
 
 
 def too_hot(temperature_c: float, limit_c: float) -> str:
     """`TooHot (91 C > 85 C)`; `>=` when the device sits exactly at the limit."""
     op = ">" if temperature_c > limit_c else ">="
-    return f"TooHot ({_num(temperature_c)} C {op} {_num(limit_c)} C)"
+    return f"{TOO_HOT} ({_num(temperature_c)} C {op} {_num(limit_c)} C)"
 
 
 def insufficient_devices(needed: int, on_node: int) -> str:
     """`InsufficientDevices (needs 5, 4 on node)`: `on_node` usable devices of the best single type."""
-    return f"InsufficientDevices (needs {needed}, {on_node} on node)"
+    return f"{INSUFFICIENT_DEVICES} (needs {needed}, {on_node} on node)"
 
 
-_PIN_RE = re.compile(r"^(?:(?P<node>[a-z0-9][a-z0-9-]*)/)?(?P<type>[a-z]+)(?::(?P<index>\d+))?$")
+# ------------------------------------------------------------------ the checks
+def node_ready(node: NodeView, config: SchedulerConfig) -> str | None:
+    """NodeNotReady while the node's agent is not connected."""
+    return None if node.ready else NODE_NOT_READY
 
 
-@dataclass(frozen=True)
-class Pin:
-    """A parsed `WorkloadReq.pin`; None fields match anything."""
-
-    device_type: str
-    """Type the device must have."""
-    node: str | None = None
-    """Node the device must be on."""
-    index: int | None = None
-    """Index the device must have."""
-    valid: bool = True
-    """False for a pin that could not be parsed: it matches no device."""
-
-    def matches(self, device: DeviceView) -> bool:
-        """Whether `device` satisfies the pin."""
-        return (
-            self.valid
-            and device.device_type == self.device_type
-            and (self.node is None or device.node == self.node)
-            and (self.index is None or device.index == self.index)
-        )
+def node_cordoned(node: NodeView, config: SchedulerConfig) -> str | None:
+    """NodeCordoned while an operator keeps new work off the node."""
+    return NODE_CORDONED if node.cordoned else None
 
 
-def parse_pin(text: str) -> Pin:
-    """Parse `ascend`, `ascend:0`, `node-a/ascend` or `node-a/ascend:0`; junk gives an invalid pin."""
-    m = _PIN_RE.match(text)
-    if not m:
-        return Pin(device_type="", valid=False)
-    index = m["index"]
-    return Pin(device_type=m["type"], node=m["node"], index=None if index is None else int(index))
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """The parts of a `WorkloadReq` that decide where it may run; equal for identical instances."""
-
-    type_rank: Mapping[str, int] | None
-    """Preferred device type -> rank (0 is best); None allows every type at rank 0. The pin is a
-    separate filter (PinMismatch), not folded in here."""
-    pin: Pin | None
-    """Parsed pin, or None."""
-    needed_precision: str
-    """The name shown in UnsupportedDtype, e.g. int8, fp8 or bf16."""
-    accepted_precisions: frozenset[str]
-    """A device qualifies when it supports any of these."""
-    compute_metric: str
-    """Which throughput counts for this workload: fp16, bf16 or int8."""
-    memory_per_device_mb: int
-    """HBM needed on each device."""
-    devices: int
-    """Devices per instance."""
-    require_p2p: bool
-    """Every device must have p2p enabled (only meaningful for more than one device)."""
-
-    @staticmethod
-    def of(workload: WorkloadReq) -> Requirement:
-        """The requirement of `workload`."""
-        ranks: dict[str, int] = {}
-        for t in workload.preferred_device_types:
-            ranks.setdefault(t, len(ranks))
-        quant = workload.quantization
-        if quant in INT8_QUANTIZATIONS:
-            accepted, metric = INT8_QUANTIZATIONS, "int8"
-        elif quant in ("", "none"):
-            accepted = frozenset({workload.dtype})
-            metric = "bf16" if workload.dtype == "bf16" else "fp16"
-        else:
-            accepted, metric = frozenset({quant}), "int8"
-        return Requirement(
-            type_rank=MappingProxyType(ranks) if ranks else None,
-            pin=parse_pin(workload.pin) if workload.pin else None,
-            needed_precision=workload.dtype if quant in ("", "none") else quant,
-            accepted_precisions=accepted,
-            compute_metric=metric,
-            memory_per_device_mb=workload.memory_per_device_mb,
-            devices=workload.devices_per_instance,
-            require_p2p=workload.require_p2p and workload.devices_per_instance > 1,
-        )
-
-    def type_ok(self, device_type: str) -> bool:
-        """Whether the type passes the type filter."""
-        return self.type_rank is None or device_type in self.type_rank
-
-    def rank_of(self, device_type: str) -> int:
-        """Preference rank of an allowed type (0 is the most preferred)."""
-        return 0 if self.type_rank is None else self.type_rank[device_type]
-
-
-def requirement_key(workload: WorkloadReq) -> tuple[object, ...]:
-    """A hashable key equal for workloads with the same `Requirement`."""
-    return (
-        workload.preferred_device_types,
-        workload.pin,
-        workload.quantization,
-        workload.dtype,
-        workload.memory_per_device_mb,
-        workload.devices_per_instance,
-        workload.require_p2p,
-    )
-
-
-def filter_node(node: NodeView) -> str | None:
-    """NodeNotReady or NodeCordoned, else None."""
-    if not node.ready:
-        return NODE_NOT_READY
-    if node.cordoned:
-        return NODE_CORDONED
-    return None
-
-
-def filter_type(device_type: str, req: Requirement) -> str | None:
+def device_type(device: DeviceView, req: Requirement) -> str | None:
     """CardTypeMismatch when preferred types are given and the type is not one of them."""
-    return None if req.type_ok(device_type) else CARD_TYPE_MISMATCH
+    return None if req.type_ok(device.device_type) else CARD_TYPE_MISMATCH
 
 
-def filter_pin(device: DeviceView, req: Requirement) -> str | None:
+def pinned(device: DeviceView, req: Requirement) -> str | None:
     """PinMismatch when the workload is pinned elsewhere."""
     return None if req.pin is None or req.pin.matches(device) else PIN_MISMATCH
 
 
-def filter_dtype(supported: tuple[str, ...], req: Requirement) -> str | None:
+def precision(device: DeviceView, req: Requirement) -> str | None:
     """UnsupportedDtype when the device lacks the workload's precision."""
-    if req.accepted_precisions.isdisjoint(supported):
-        return unsupported_dtype(req.needed_precision, supported)
+    if req.accepted_precisions.isdisjoint(device.supported_dtypes):
+        return unsupported_dtype(req.needed_precision, device.supported_dtypes)
     return None
 
 
-def filter_memory(hbm_memory_mb: int, req: Requirement) -> str | None:
+def memory(device: DeviceView, req: Requirement) -> str | None:
     """InsufficientMemory when the device's HBM is below the need."""
-    if hbm_memory_mb < req.memory_per_device_mb:
-        return insufficient_memory(req.memory_per_device_mb, hbm_memory_mb)
+    if device.hbm_memory_mb < req.memory_per_device_mb:
+        return insufficient_memory(req.memory_per_device_mb, device.hbm_memory_mb)
     return None
 
 
-def filter_status(status: str) -> str | None:
-    """DeviceNotReady unless the status is Ready."""
-    return None if status == DeviceState.READY else DEVICE_NOT_READY
+def device_ready(device: DeviceView, config: SchedulerConfig) -> str | None:
+    """DeviceNotReady unless the device's status is Ready."""
+    return None if device.status == DeviceState.READY else DEVICE_NOT_READY
 
 
-def filter_temperature(temperature_c: float, limit_c: float) -> str | None:
-    """TooHot at or above the limit."""
-    return too_hot(temperature_c, limit_c) if temperature_c >= limit_c else None
+def temperature(device: DeviceView, config: SchedulerConfig) -> str | None:
+    """TooHot at or above the temperature limit."""
+    limit = config.temperature_limit_c
+    return too_hot(device.temperature_c, limit) if device.temperature_c >= limit else None
 
 
-def device_stage(device: DeviceView, req: Requirement, limit_c: float) -> tuple[int, str | None]:
-    """Run the device chain (freeness excluded): (stage reached, reason or None when it passed)."""
-    reason = filter_type(device.device_type, req)
-    if reason is not None:
-        return STAGE_TYPE, reason
-    for stage, reason in (
-        (STAGE_PIN, filter_pin(device, req)),
-        (STAGE_DTYPE, filter_dtype(device.supported_dtypes, req)),
-        (STAGE_MEMORY, filter_memory(device.hbm_memory_mb, req)),
-        (STAGE_STATUS, filter_status(device.status)),
-        (STAGE_TEMPERATURE, filter_temperature(device.temperature_c, limit_c)),
-    ):
+def p2p(device: DeviceView, req: Requirement) -> str | None:
+    """NoP2PGroup: a multi-device instance that requires p2p cannot use a device without it."""
+    return NO_P2P_GROUP if req.require_p2p and not device.p2p_enabled else None
+
+
+# ------------------------------------------------------------------ the table
+class Scope(Enum):
+    NODE = "node"
+    DEVICE = "device"
+    GROUP = "group"
+
+
+class Depends(Enum):
+    """What a device filter's verdict depends on (so it can be computed once per that)."""
+
+    PROFILE = "profile"
+    DEVICE = "device"
+    CONDITION = "condition"
+
+
+def _always(req: Requirement) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Filter:
+    """One line of the feasibility stack."""
+
+    name: str
+    """Short name (docs, logs)."""
+    scope: Scope
+    """node, device or group (see the module docstring)."""
+    check: Callable[..., str | None]
+    """The check; its arguments depend on the scope (see the module docstring)."""
+    reason: str
+    """The reason code its failures start with, e.g. "InsufficientMemory"."""
+    depends: Depends | None = None
+    """For device filters: what the verdict depends on."""
+    rank: Callable[[DeviceView], float] | None = None
+    """Among devices failing here, the reason of the one ranked highest is quoted (e.g. the
+    largest memory, the coolest device); None: any."""
+    applies: Callable[[Requirement], bool] = _always
+    """Whether the filter can reject anything for this requirement (lets the planner use its
+    per-profile fast path when no per-device or group filter applies)."""
+
+
+def node_filter(name: str, check: Callable[[NodeView, SchedulerConfig], str | None], reason: str) -> Filter:
+    return Filter(name, Scope.NODE, check, reason)
+
+
+def profile_filter(
+    name: str,
+    check: Callable[[DeviceView, Requirement], str | None],
+    reason: str,
+    rank: Callable[[DeviceView], float] | None = None,
+) -> Filter:
+    return Filter(name, Scope.DEVICE, check, reason, Depends.PROFILE, rank)
+
+
+def identity_filter(
+    name: str,
+    check: Callable[[DeviceView, Requirement], str | None],
+    reason: str,
+    applies: Callable[[Requirement], bool],
+) -> Filter:
+    return Filter(name, Scope.DEVICE, check, reason, Depends.DEVICE, applies=applies)
+
+
+def condition_filter(
+    name: str,
+    check: Callable[[DeviceView, SchedulerConfig], str | None],
+    reason: str,
+    rank: Callable[[DeviceView], float] | None = None,
+) -> Filter:
+    return Filter(name, Scope.DEVICE, check, reason, Depends.CONDITION, rank)
+
+
+def group_filter(
+    name: str,
+    check: Callable[[DeviceView, Requirement], str | None],
+    reason: str,
+    applies: Callable[[Requirement], bool],
+) -> Filter:
+    return Filter(name, Scope.GROUP, check, reason, applies=applies)
+
+
+def _hbm(d: DeviceView) -> float:
+    return float(d.hbm_memory_mb)
+
+
+def _coolness(d: DeviceView) -> float:
+    return -d.temperature_c
+
+
+def _has_pin(req: Requirement) -> bool:
+    return req.pin is not None
+
+
+def _needs_p2p(req: Requirement) -> bool:
+    return req.require_p2p
+
+
+FILTERS: tuple[Filter, ...] = (
+    node_filter("node-ready", node_ready, NODE_NOT_READY),
+    node_filter("node-cordoned", node_cordoned, NODE_CORDONED),
+    profile_filter("device-type", device_type, CARD_TYPE_MISMATCH),
+    identity_filter("pin", pinned, PIN_MISMATCH, applies=_has_pin),
+    profile_filter("precision", precision, UNSUPPORTED_DTYPE),
+    profile_filter("memory", memory, INSUFFICIENT_MEMORY, rank=_hbm),
+    condition_filter("device-ready", device_ready, DEVICE_NOT_READY),
+    condition_filter("temperature", temperature, TOO_HOT, rank=_coolness),
+    group_filter("p2p", p2p, NO_P2P_GROUP, applies=_needs_p2p),
+)
+"""The feasibility stack, in order."""
+
+NODE_FILTERS = tuple(f for f in FILTERS if f.scope is Scope.NODE)
+DEVICE_FILTERS = tuple(f for f in FILTERS if f.scope is Scope.DEVICE)
+"""Device filters in order; a device's stage is the position of its first failing one here."""
+GROUP_FILTERS = tuple(f for f in FILTERS if f.scope is Scope.GROUP)
+CONDITIONS = tuple((pos, f.check) for pos, f in enumerate(DEVICE_FILTERS) if f.depends is Depends.CONDITION)
+"""(stage, check) of the condition filters, in order."""
+
+
+def filter_node(node: NodeView, config: SchedulerConfig) -> str | None:
+    """The reason of the first failing node filter, else None."""
+    for f in NODE_FILTERS:
+        reason: str | None = f.check(node, config)
         if reason is not None:
-            return stage, reason
-    return STAGE_PASSED, None
+            return reason
+    return None

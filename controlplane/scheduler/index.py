@@ -2,9 +2,10 @@
 
 - every device becomes a `Slot` (its static score and flags computed once);
 - identical devices share a `Profile` (type, model, memory, precisions, throughput, p2p), so the
-  capability filters run once per profile, not once per device;
+  profile filters and scores run once per profile, not once per device;
+- the node filters run once per node and the condition filters once per device (`filters.FILTERS`);
 - each node keeps its free count, a version bumped whenever one of its devices is taken, and its
-  devices grouped by (profile, status, too hot) for reason reporting;
+  devices grouped by (profile, failing condition filter) for reason reporting;
 - a `LazyPool` keeps the best candidate of each node in a heap. Taking a device re-evaluates only
   that node in the pools that contain it; entries of an older node version are dropped when they
   reach the top. A decision costs O(log nodes) instead of O(devices).
@@ -19,18 +20,42 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import combinations
 from math import comb
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from controlplane.scheduler.config import SchedulerConfig
-from controlplane.scheduler.filters import filter_node
+from controlplane.scheduler.filters import CONDITIONS, filter_node
 from controlplane.scheduler.model import DeviceView, GraphSnapshot, NodeView
-from controlplane.scheduler.scores import NODE_WEIGHT, device_score, is_busy, node_score, set_distance, tflops
-from kunlun_common.states import DeviceState
+from controlplane.scheduler.scores import device_part, is_busy, node_part, set_distance, tflops
 
-Key = tuple[int, int, int, float, str, tuple[int, ...]]
-"""(busy, type rank, topology distance, -score, node name, device positions): smaller is better."""
-Candidate = tuple[Key, tuple["Slot", ...]]
-"""A key and the slots it would take."""
+
+class Key(NamedTuple):
+    """How good a candidate is; smaller is better (compared field by field, see `scores`)."""
+
+    busy: int
+    """1 when a device of the set is above the utilization threshold."""
+    type_rank: int
+    """Rank of the device type among the preferred types (0 is the most preferred)."""
+    distance: int
+    """Total pairwise topology distance of the set."""
+    neg_score: float
+    """Minus the weighted score (so that a higher score sorts first)."""
+    node: str
+    """Node name: equal candidates resolve the same way every time."""
+    positions: tuple[int, ...]
+    """Device positions on the node."""
+
+
+class Candidate(NamedTuple):
+    """A key and the slots it would take."""
+
+    key: Key
+    slots: tuple[Slot, ...]
+
+
+new_tuple = tuple.__new__
+"""`new_tuple(Key, (...))` builds a Key (or a Candidate) without the Python-level `__new__` of
+NamedTuple: one builtin call, for the paths that run on every decision."""
+
 
 METRICS = ("fp16", "bf16", "int8")
 MAX_SUBSETS = 1024
@@ -60,20 +85,16 @@ class Slot:
         node_idx: int,
         pos: int,
         profile: Profile,
-        node_ok: bool,
+        schedulable: bool,
         config: SchedulerConfig,
     ) -> None:
         self.device = device
         self.node_idx = node_idx
         self.pos = pos
         self.profile = profile
-        self.schedulable = (
-            node_ok
-            and device.status == DeviceState.READY
-            and device.temperature_c < config.temperature_limit_c
-        )
+        self.schedulable = schedulable
         self.busy = int(is_busy(device.utilization_pct, config.min_gpu_utilization_threshold))
-        self.score = device_score(device.utilization_pct, device.temperature_c, config.temperature_limit_c)
+        self.score = device_part(device, config)
         self.allocated = device.allocated_to is not None
         self.taken = False
 
@@ -85,14 +106,12 @@ class Slot:
 
 @dataclass(frozen=True)
 class Group:
-    """Devices of one node with the same profile, readiness and heat."""
+    """Devices of one node with the same profile that fail the same condition filter (or none)."""
 
     profile: Profile
     """Their profile."""
-    ready: bool
-    """Status is Ready."""
-    hot: bool
-    """At or above the temperature limit."""
+    failed: int | None
+    """Stage (position in `filters.DEVICE_FILTERS`) of the condition filter they fail, or None."""
     slots: tuple[Slot, ...]
     """The devices, in node order."""
 
@@ -104,11 +123,11 @@ class NodeEntry:
         "free_count", "groups", "idx", "name", "node", "pools", "reason", "rows", "rows_id", "slots", "version"
     )  # fmt: skip
 
-    def __init__(self, node: NodeView, idx: int) -> None:
+    def __init__(self, node: NodeView, idx: int, config: SchedulerConfig) -> None:
         self.node = node
         self.name = node.name
         self.idx = idx
-        self.reason = filter_node(node)
+        self.reason = filter_node(node, config)
         self.slots: list[Slot] = []
         self.rows = tuple(d.topology_distance for d in node.devices)
         self.rows_id = 0
@@ -130,12 +149,12 @@ class ClusterIndex:
         rows_ids: dict[tuple[tuple[int, ...], ...], int] = {}
         best = dict.fromkeys(METRICS, 0.0)
         schedulable: dict[int, dict[int, list[Slot]]] = {}
-        limit = config.temperature_limit_c
+        conditions = CONDITIONS
         for idx, node in enumerate(snapshot.nodes):
-            entry = NodeEntry(node, idx)
+            entry = NodeEntry(node, idx, config)
             entry.rows_id = rows_ids.setdefault(entry.rows, len(rows_ids))
             node_ok = entry.reason is None
-            grouped: dict[tuple[int, bool, bool], list[Slot]] = {}
+            grouped: dict[tuple[int, int | None], list[Slot]] = {}
             for pos, dev in enumerate(node.devices):
                 pkey = (
                     dev.device_type,
@@ -154,18 +173,21 @@ class ClusterIndex:
                     self.profiles.append(profile)
                     for metric in METRICS:
                         best[metric] = max(best[metric], tflops(dev, metric))
-                slot = Slot(dev, idx, pos, profile, node_ok, config)
+                failed = None  # the stage of its first failing condition filter (filters.condition_failure)
+                for stage, check in conditions:
+                    if check(dev, config) is not None:
+                        failed = stage
+                        break
+                slot = Slot(dev, idx, pos, profile, node_ok and failed is None, config)
                 entry.slots.append(slot)
                 self.slots_by_name[dev.name] = slot
                 if slot.schedulable:
                     schedulable.setdefault(profile.pid, {}).setdefault(idx, []).append(slot)
                     if not slot.allocated:
                         entry.free_count += 1
-                gkey = (profile.pid, dev.status == DeviceState.READY, dev.temperature_c >= limit)
-                grouped.setdefault(gkey, []).append(slot)
+                grouped.setdefault((profile.pid, failed), []).append(slot)
             entry.groups = [
-                Group(self.profiles[pid], ready, hot, tuple(slots))
-                for (pid, ready, hot), slots in grouped.items()
+                Group(self.profiles[pid], failed, tuple(slots)) for (pid, failed), slots in grouped.items()
             ]
             self.nodes.append(entry)
         self.best_tflops = best
@@ -176,7 +198,7 @@ class ClusterIndex:
 
     def node_score(self, entry: NodeEntry) -> float:
         """Weighted spread/binpack score of a node at its current free count."""
-        return NODE_WEIGHT * node_score(entry.free_count, self.max_node_devices, self.config.policy)
+        return node_part(entry.free_count, self.max_node_devices, self.config)
 
     def take(self, slot: Slot) -> None:
         """Use `slot` in this plan (placed, or reserved by a preemption); call `refresh` after."""
@@ -237,7 +259,8 @@ class ClusterIndex:
             slot = slots[i]
             entry = self.nodes[idx]
             score = self.node_score(entry) + slot.score
-            return (slot.busy, 0, 0, -score, entry.name, (slot.pos,)), (slot,)
+            key = new_tuple(Key, (slot.busy, 0, 0, -score, entry.name, (slot.pos,)))
+            return new_tuple(Candidate, (key, (slot,)))
 
         return LazyPool(self, ranked, best_on)
 

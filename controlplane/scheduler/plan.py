@@ -17,26 +17,14 @@ from types import MappingProxyType
 
 from controlplane.scheduler.config import SchedulerConfig
 from controlplane.scheduler.filters import (
-    DEVICE_NOT_READY,
+    DEVICE_FILTERS,
+    GROUP_FILTERS,
     NO_FREE_DEVICE,
-    NO_P2P_GROUP,
-    PIN_MISMATCH,
-    STAGE_DTYPE,
-    STAGE_MEMORY,
-    STAGE_PASSED,
-    STAGE_PIN,
-    STAGE_STATUS,
-    STAGE_TEMPERATURE,
-    STAGE_TYPE,
-    Requirement,
-    filter_dtype,
-    filter_memory,
-    filter_type,
+    Depends,
+    Filter,
     insufficient_devices,
-    requirement_key,
-    too_hot,
 )
-from controlplane.scheduler.index import Candidate, ClusterIndex, Key, LazyPool, NodeEntry, Slot
+from controlplane.scheduler.index import Candidate, ClusterIndex, Key, LazyPool, NodeEntry, Slot, new_tuple
 from controlplane.scheduler.model import (
     PRIORITY_RANK,
     GraphSnapshot,
@@ -47,7 +35,8 @@ from controlplane.scheduler.model import (
     Unplaced,
 )
 from controlplane.scheduler.queue import order_pending
-from controlplane.scheduler.scores import compute_score, distance, set_distance, tflops
+from controlplane.scheduler.requirement import Requirement, RequirementInputs, requirement_key
+from controlplane.scheduler.scores import distance, profile_part, set_distance
 
 MAX_VICTIMS_PER_NODE = 8
 """Preemption considers at most this many (most evictable) running instances per node, so at most
@@ -60,28 +49,36 @@ class WorkloadClass:
     def __init__(self, index: ClusterIndex, req: Requirement) -> None:
         self.req = req
         self.index = index
-        self.profile_stage: list[tuple[int, str | None]] = []
+        config = index.config
+        # the device filters that apply to this requirement, with their stage (position in the table)
+        self.stages: list[tuple[int, Filter]] = [
+            (pos, f) for pos, f in enumerate(DEVICE_FILTERS) if f.applies(req)
+        ]
+        self.groups = [f for f in GROUP_FILTERS if f.applies(req)]
+        # per profile: the first failing profile filter (stage, reason), else None; its compute score
+        self.profile_failure: list[tuple[int, str] | None] = []
         self.compute: list[float] = []
         for profile in index.profiles:
             dev = profile.sample
-            stage: tuple[int, str | None] = (STAGE_PASSED, None)
-            for st, reason in (
-                (STAGE_TYPE, filter_type(dev.device_type, req)),
-                (STAGE_DTYPE, filter_dtype(dev.supported_dtypes, req)),
-                (STAGE_MEMORY, filter_memory(dev.hbm_memory_mb, req)),
-            ):
-                if reason is not None:
-                    stage = (st, reason)
+            failure: tuple[int, str] | None = None
+            for pos, f in self.stages:
+                if f.depends is Depends.PROFILE and (reason := f.check(dev, req)) is not None:
+                    failure = (pos, reason)
                     break
-            self.profile_stage.append(stage)
-            metric = req.compute_metric
-            self.compute.append(compute_score(tflops(dev, metric), index.best_tflops[metric]))
-        self.single = req.devices == 1 and req.pin is None
+            self.profile_failure.append(failure)
+            self.compute.append(profile_part(dev, req, index.best_tflops))
+        # one device from any node's best per profile, when only profile and condition filters apply
+        self.single = (
+            req.devices == 1
+            and not self.groups
+            and all(f.depends is not Depends.DEVICE for _, f in self.stages)
+        )
         self._single_profiles = [
             (index.profile_pool(p), req.rank_of(p.sample.device_type), self.compute[p.pid])
             for p in index.profiles
-            if self.single and self.profile_stage[p.pid][0] == STAGE_PASSED
+            if self.single and self.profile_failure[p.pid] is None
         ]
+        self._config = config
         self._analyzed = False
         self._pool: LazyPool[Key, tuple[Slot, ...]] | None = None
         self.preemption_pools: dict[int, LazyPool[PreemptKey, Preemption]] = {}
@@ -97,16 +94,17 @@ class WorkloadClass:
             if self._pool is None:
                 self.analyze()
                 self._pool = LazyPool(self.index, list(self.eligible), self.evaluate)
-            return self._pool.top()
-        best: Candidate | None = None
+            top = self._pool.top()
+            return None if top is None else new_tuple(Candidate, top)
+        best: tuple[tuple[int, int, int, float, str, tuple[int, ...]], tuple[Slot, ...]] | None = None
         for pool, rank, compute in self._single_profiles:
             found = pool.top()
             if found is not None:
                 (busy, _, dist, neg_score, name, positions), slots = found
-                key = (busy, rank, dist, neg_score - compute, name, positions)
+                key = (busy, rank, dist, neg_score - compute, name, positions)  # plain: the hot path
                 if best is None or key < best[0]:
                     best = key, slots
-        return best
+        return None if best is None else new_tuple(Candidate, (new_tuple(Key, best[0]), best[1]))
 
     def evaluate(self, idx: int, extra: frozenset[Slot] = frozenset()) -> Candidate | None:
         """Best device set on node `idx` from its free eligible devices plus `extra` (victims')."""
@@ -117,7 +115,7 @@ class WorkloadClass:
             if len(avail) < self.req.devices:
                 continue
             found = self._best_set(entry, avail, self.req.rank_of(device_type))
-            if best is None or found[0] < best[0]:
+            if best is None or found.key < best.key:
                 best = found
         return best
 
@@ -129,7 +127,8 @@ class WorkloadClass:
         if n == 1:
             slot = min(avail, key=lambda s: (s.busy, -(s.score + compute[s.profile.pid]), s.pos))
             score = base + slot.score + compute[slot.profile.pid]
-            return (slot.busy, rank, 0, -score, entry.name, (slot.pos,)), (slot,)
+            one = new_tuple(Key, (slot.busy, rank, 0, -score, entry.name, (slot.pos,)))
+            return new_tuple(Candidate, (one, (slot,)))
         by_pos = {s.pos: s for s in avail}
         table = self.index.subsets(entry, n)
         if table is None:
@@ -137,7 +136,7 @@ class WorkloadClass:
                 (set_distance(entry.rows, p), p)
                 for p in {tuple(sorted(self._grow(entry, avail, s))) for s in avail}
             )
-        best: Candidate | None = None
+        best: tuple[tuple[int, int, int, float, str, tuple[int, ...]], tuple[Slot, ...]] | None = None
         for dist, positions in table:
             if best is not None and best[0][0] == 0 and dist > best[0][2]:
                 break  # sorted by distance: nothing further can beat an idle set
@@ -147,11 +146,11 @@ class WorkloadClass:
             slots = tuple(s for s in subset if s is not None)
             busy = max(s.busy for s in slots)
             score = base + sum(s.score + compute[s.profile.pid] for s in slots) / n
-            key: Key = (busy, rank, dist, -score, entry.name, positions)
+            key = (busy, rank, dist, -score, entry.name, positions)  # a plain tuple in this hot loop
             if best is None or key < best[0]:
                 best = key, slots
         assert best is not None, "avail holds at least n devices"
-        return best
+        return new_tuple(Candidate, (new_tuple(Key, best[0]), best[1]))
 
     def _grow(self, entry: NodeEntry, avail: list[Slot], seed: Slot) -> list[int]:
         """Positions of a set grown from `seed` by adding the device closest to the set each time."""
@@ -189,46 +188,60 @@ class WorkloadClass:
     def _node_reason(self, entry: NodeEntry) -> str | None:
         """None when the node has enough eligible devices (recorded in `eligible`), else why not.
 
-        The reason is the one of the device group that got furthest through the filter chain; among
-        equals, the largest memory (InsufficientMemory) or the coolest device (TooHot) is quoted.
+        Each device group (same profile, same failing condition filter) runs the device filters in
+        table order; the node quotes the reason of the group that got furthest, and among equals the
+        one whose device ranks highest for that filter (e.g. the largest memory, the coolest device).
+        Then the group filters run on the devices that passed, per device type.
         """
         req = self.req
-        limit = self.index.config.temperature_limit_c
+        config = self._config
         furthest: tuple[int, float] = (-1, 0.0)
         text = ""
         passing: dict[str, list[Slot]] = {}
         for group in entry.groups:
-            pstage, preason = self.profile_stage[group.profile.pid]
             slots = group.slots
-            rank_value = 0.0
-            if pstage == STAGE_TYPE:
-                stage, reason = STAGE_TYPE, preason
-            elif req.pin is not None and not (slots := tuple(s for s in slots if req.pin.matches(s.device))):
-                stage, reason = STAGE_PIN, PIN_MISMATCH
-            elif pstage != STAGE_PASSED:
-                stage, reason = pstage, preason
-                rank_value = float(group.profile.sample.hbm_memory_mb) if pstage == STAGE_MEMORY else 0.0
-            elif not group.ready:
-                stage, reason = STAGE_STATUS, DEVICE_NOT_READY
-            elif group.hot:
-                coolest = min(s.device.temperature_c for s in slots)
-                stage, reason, rank_value = STAGE_TEMPERATURE, too_hot(coolest, limit), -coolest
-            else:
+            failure = self.profile_failure[group.profile.pid]
+            stopped: tuple[int, float, str] | None = None
+            for pos, f in self.stages:
+                if f.depends is Depends.PROFILE:
+                    if failure is not None and failure[0] == pos:
+                        rank = f.rank(group.profile.sample) if f.rank else 0.0
+                        stopped = (pos, rank, failure[1])
+                        break
+                elif f.depends is Depends.DEVICE:
+                    matching = tuple(s for s in slots if f.check(s.device, req) is None)
+                    if not matching:
+                        stopped = (pos, 0.0, f.check(slots[0].device, req) or f.reason)
+                        break
+                    slots = matching
+                elif group.failed == pos:
+                    ranked = f.rank
+                    top = max(slots, key=lambda s: ranked(s.device)) if ranked else slots[0]
+                    stopped = (
+                        pos,
+                        ranked(top.device) if ranked else 0.0,
+                        f.check(top.device, config) or f.reason,
+                    )
+                    break
+            if stopped is None:
                 passing.setdefault(group.profile.sample.device_type, []).extend(slots)
-                continue
-            if (stage, rank_value) > furthest:
-                furthest, text = (stage, rank_value), reason or ""
+            elif stopped[:2] > furthest:
+                furthest, text = stopped[:2], stopped[2]
         n = req.devices
         if passing:
-            usable = {
-                t: [s for s in slots if s.device.p2p_enabled or not req.require_p2p]
-                for t, slots in passing.items()
-            }
+            usable = passing
+            blocked = ""
+            for f in self.groups:
+                kept = {t: [s for s in v if f.check(s.device, req) is None] for t, v in usable.items()}
+                if max(len(v) for v in usable.values()) >= n > max(len(v) for v in kept.values()):
+                    dropped = next(s for t, v in usable.items() for s in v if s not in kept[t])
+                    blocked = f.check(dropped.device, req) or f.reason
+                usable = kept
             if max(len(v) for v in usable.values()) >= n:
                 self.eligible[entry.idx] = {t: sorted(v, key=_pos) for t, v in usable.items() if len(v) >= n}
                 return None
             most = max(len(v) for v in passing.values())
-            return NO_P2P_GROUP if most >= n else insufficient_devices(n, most)
+            return blocked or insufficient_devices(n, most)
         return text or insufficient_devices(n, 0)
 
 
@@ -280,7 +293,7 @@ class PlanBuilder:
         key = requirement_key(inst.workload)
         cls = self._classes.get(key)
         if cls is None:
-            cls = WorkloadClass(self.index, Requirement.of(inst.workload))
+            cls = WorkloadClass(self.index, Requirement.from_inputs(RequirementInputs._make(key)))
             self._classes[key] = cls
         return cls
 
@@ -300,7 +313,8 @@ class PlanBuilder:
                 cls.preemption_pools[rank] = pool
             option = pool.top()
             if option is not None:
-                return self._take(inst, *option[1])
+                candidate, victims = option[1]
+                return self._take(inst, Candidate(*candidate), victims)
         cls.analyze()
         return Unplaced(inst.instance_id, cls.reasons)
 
@@ -323,7 +337,7 @@ class PlanBuilder:
             instance_id=inst.instance_id,
             node=index.nodes[slots[0].node_idx].name,
             devices=tuple(s.device.name for s in slots),
-            score=round(-key[3], 6),
+            score=round(-key.neg_score, 6),
             preempts=tuple(run.instance_id for run in victims),
         )
 

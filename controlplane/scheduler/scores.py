@@ -8,15 +8,29 @@ Candidates are compared on a key, most significant first:
 4. the weighted score below;
 5. node name and device positions, so that equal candidates resolve the same way every time.
 
-score = NODE_WEIGHT * node_score(policy) + mean over devices of (UTIL_WEIGHT * utilization_score
-+ TEMPERATURE_WEIGHT * temperature_score) + COMPUTE_WEIGHT * compute_score.
+The weighted score is the sum of the lines of `SCORES` (the rank stack), each weight * a 0..1 share:
+
+    score = sum of NODE scores + mean over the set's devices of (DEVICE scores + PROFILE scores)
+
+- `node` scores: `fn(free_devices, max_node_devices, config)`, recomputed as the plan takes devices;
+- `device` scores: `fn(device, config)`, the device's own condition, once per snapshot;
+- `profile` scores: `fn(device, req, best_tflops)`, the device's capabilities for one requirement,
+  once per profile of identical devices.
+
+Today: NODE_WEIGHT * spread_or_binpack + mean(UTIL_WEIGHT * idle_share + TEMPERATURE_WEIGHT
+* coolness + COMPUTE_WEIGHT * throughput_share). A new score: its function, one line in
+`SCORES`, its test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
 
+from controlplane.scheduler.config import SchedulerConfig
 from controlplane.scheduler.model import DeviceView
+from controlplane.scheduler.requirement import Requirement
 
 NODE_WEIGHT = 2.0
 """Weight of the spread/binpack node score."""
@@ -32,29 +46,6 @@ UNKNOWN_DISTANCE = 1000
 """Distance assumed between devices when a topology row is too short."""
 
 
-def node_score(free_devices: int, max_node_devices: int, policy: str) -> float:
-    """spread: the free share of the largest node; binpack: the used share (0..1)."""
-    share = free_devices / max_node_devices if max_node_devices else 0.0
-    return share if policy == "spread" else 1.0 - share
-
-
-def utilization_score(utilization_pct: float) -> float:
-    """1 for an idle device, 0 for a saturated one."""
-    return min(1.0, max(0.0, 1.0 - utilization_pct / 100.0))
-
-
-def temperature_score(temperature_c: float, limit_c: float) -> float:
-    """1 up to TEMPERATURE_DERATE_SPAN_C below the limit, falling linearly to 0 at the limit."""
-    return min(1.0, max(0.0, (limit_c - temperature_c) / TEMPERATURE_DERATE_SPAN_C))
-
-
-def device_score(utilization_pct: float, temperature_c: float, limit_c: float) -> float:
-    """The part of the score that depends only on the device's own condition."""
-    return UTIL_WEIGHT * utilization_score(utilization_pct) + TEMPERATURE_WEIGHT * temperature_score(
-        temperature_c, limit_c
-    )
-
-
 def is_busy(utilization_pct: float, threshold_pct: float) -> bool:
     """Busy devices are used only when nothing else fits."""
     return utilization_pct > threshold_pct
@@ -67,11 +58,6 @@ def tflops(device: DeviceView, metric: str) -> float:
     if metric == "bf16":
         return device.bf16_tflops
     return device.fp16_tflops
-
-
-def compute_score(device_tflops: float, best_tflops: float) -> float:
-    """Weighted share of the fastest device's throughput for the same metric."""
-    return COMPUTE_WEIGHT * (device_tflops / best_tflops) if best_tflops > 0 else 0.0
 
 
 def distance(rows: Sequence[Sequence[int]], a: int, b: int) -> int:
@@ -91,4 +77,84 @@ def set_distance(rows: Sequence[Sequence[int]], positions: Sequence[int]) -> int
         row = rows[a]
         for b in positions[i + 1 :]:
             total += row[b] if b < len(row) else UNKNOWN_DISTANCE
+    return total
+
+
+# ------------------------------------------------------------------ the table
+class ScoreScope(Enum):
+    NODE = "node"
+    DEVICE = "device"
+    PROFILE = "profile"
+
+
+@dataclass(frozen=True)
+class Score:
+    """One line of the rank stack."""
+
+    name: str
+    """Short name (docs, logs)."""
+    scope: ScoreScope
+    """node, device or profile (see the module docstring)."""
+    weight: float
+    """Multiplies the function's 0..1 share."""
+    fn: Callable[..., float]
+    """The share; its arguments depend on the scope."""
+
+
+def spread_or_binpack(free_devices: int, max_node_devices: int, config: SchedulerConfig) -> float:
+    """spread: the free share of the largest node; binpack: the used share (0..1)."""
+    share = free_devices / max_node_devices if max_node_devices else 0.0
+    return share if config.policy == "spread" else 1.0 - share
+
+
+def idle_share(device: DeviceView, config: SchedulerConfig) -> float:
+    """1 for an idle device, 0 for a saturated one."""
+    return min(1.0, max(0.0, 1.0 - device.utilization_pct / 100.0))
+
+
+def coolness(device: DeviceView, config: SchedulerConfig) -> float:
+    """1 up to TEMPERATURE_DERATE_SPAN_C below the limit, falling linearly to 0 at the limit."""
+    return min(1.0, max(0.0, (config.temperature_limit_c - device.temperature_c) / TEMPERATURE_DERATE_SPAN_C))
+
+
+def throughput_share(device: DeviceView, req: Requirement, best_tflops: Mapping[str, float]) -> float:
+    best = best_tflops[req.compute_metric]
+    return tflops(device, req.compute_metric) / best if best > 0 else 0.0
+
+
+SCORES: tuple[Score, ...] = (
+    Score("spread-binpack", ScoreScope.NODE, NODE_WEIGHT, spread_or_binpack),
+    Score("utilization", ScoreScope.DEVICE, UTIL_WEIGHT, idle_share),
+    Score("temperature", ScoreScope.DEVICE, TEMPERATURE_WEIGHT, coolness),
+    Score("compute", ScoreScope.PROFILE, COMPUTE_WEIGHT, throughput_share),
+)
+"""The rank stack: every weighted score, by scope."""
+
+_NODE = tuple((s.weight, s.fn) for s in SCORES if s.scope is ScoreScope.NODE)
+_DEVICE = tuple((s.weight, s.fn) for s in SCORES if s.scope is ScoreScope.DEVICE)
+_PROFILE = tuple((s.weight, s.fn) for s in SCORES if s.scope is ScoreScope.PROFILE)
+
+
+# (loops, not sum() over generators: node_part runs on every take)
+def node_part(free_devices: int, max_node_devices: int, config: SchedulerConfig) -> float:
+    """The node scores of a node with `free_devices` free."""
+    total = 0.0
+    for w, fn in _NODE:
+        total += w * fn(free_devices, max_node_devices, config)
+    return total
+
+
+def device_part(device: DeviceView, config: SchedulerConfig) -> float:
+    """The device scores of one device (its own condition)."""
+    total = 0.0
+    for w, fn in _DEVICE:
+        total += w * fn(device, config)
+    return total
+
+
+def profile_part(device: DeviceView, req: Requirement, best_tflops: Mapping[str, float]) -> float:
+    """The profile scores of a device (as a sample of its profile) for `req`."""
+    total = 0.0
+    for w, fn in _PROFILE:
+        total += w * fn(device, req, best_tflops)
     return total

@@ -336,16 +336,20 @@ class SubmitWorkloadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SPEC_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    """Check the spec and compute where its instances would land now, without writing anything."""
     @_builtins.property
     def spec(self) -> Global___WorkloadSpec: ...
     def __init__(
         self,
         *,
         spec: Global___WorkloadSpec | None = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dry_run", b"dry_run", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -357,19 +361,25 @@ class SubmitWorkloadResponse(_message.Message):
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     result: _builtins.str
-    """"created", "updated" or "unchanged"."""
+    """"created", "updated" or "unchanged" ("dry-run" for a dry run)."""
     @_builtins.property
     def workload(self) -> Global___Workload: ...
+    @_builtins.property
+    def plan(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Dry run only: one line per instance, where it would land and why (or why not, per node)."""
+
     def __init__(
         self,
         *,
         workload: Global___Workload | None = ...,
         result: _builtins.str = ...,
+        plan: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "result", b"result", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
