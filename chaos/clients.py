@@ -167,10 +167,7 @@ def rollout_client(s: LoadSettings, rec: Recorder, stop: threading.Event) -> Non
     version, then promote it to completion or abort it; every call recorded like the API clients'."""
     rng = random.Random(s.seed * 3000)
     creds = channel_credentials(load_tls(paths_for(s.cert_dir, "operator", "admin")))
-    chans = [
-        grpc.secure_channel(e, creds, options=[("grpc.ssl_target_name_override", "localhost")])
-        for e in s.endpoints
-    ]
+    chans = [grpc.secure_channel(e, creds) for e in s.endpoints]
     version = 0
 
     def call(kind: str, fn: Any, req: object, arg: int | None = None) -> str:

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[float, str]] = {
     "gateway-pause": (6.0, "SIGSTOP a gateway, SIGCONT"),
     "etcd-kill": (4.0, "kill -9 one etcd member, restart it"),
     "etcd-leader-pause": (6.0, "SIGSTOP etcd's raft leader, SIGCONT"),
+    "etcd-follower-pause": (6.0, "SIGSTOP a minority of etcd (one follower of three), SIGCONT"),
     "isolate-host": (8.0, "drop every packet to and from one replica or etcd host, then heal"),
     "partition": (8.0, "cut a minority (1 etcd member, 1 replica) from the majority, then heal"),
     "agent-replica-cut": (8.0, "cut only the link between an agent and one replica, then heal"),
@@ -177,6 +178,11 @@ class Injector:
                 if not serving or serving.encode() in argv:
                     out.append(pid)
         return out
+
+    def _etcd_follower_pause(self, kind: str) -> Injected:
+        lead = etcd_leader(self.c)
+        name = self.rng.choice([n for n in ETCD if n != lead])
+        return self._pause(kind, self.c.etcd.member(name).proc, "etcd follower")
 
     def _engines_kill(self, kind: str) -> Injected:
         nodes = sorted(self.c.agents)

@@ -67,8 +67,8 @@ class NetCluster(LocalCluster):
                 else "agent"
             )
             if role:
-                # the host's own address; "localhost" too because clients verify that name by default
-                issue(self.cert_dir, role, h.name, hosts=(h.addr, "localhost"))
+                # the host's own address only: clients verify it, nothing relies on 127.0.0.1/localhost
+                issue(self.cert_dir, role, h.name, hosts=(h.addr,))
         for role, name in (("operator", "admin"), ("viewer", "viewer")):
             issue(self.cert_dir, role, name, hosts=(self.net.addr("client"),))
         for user in (ETCD_USER, ETCD_ADMIN):  # etcd's own users: replicas, and maintenance

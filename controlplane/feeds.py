@@ -193,8 +193,8 @@ ROUTING = (
     keys.ROLLOUTS,
     keys.INSTANCES,
     keys.INSTANCE_STATUS,
-    keys.ROOT + "gateway-keys/",
-    keys.ROOT + "gateway-policies/",
+    keys.GATEWAY_KEYS,
+    keys.GATEWAY_POLICIES,
 )
 """What the endpoint and gateway-config feeds are computed from (they wake on nothing else)."""
 

@@ -258,24 +258,34 @@ class NodeSessions:
         log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
 
     async def refresh_leases(self) -> None:
-        """Loop: refresh the lease of every node heard from recently (a batch every ttl/3)."""
+        """Loop: refresh the lease of every node heard from recently, every ttl/3 at a fixed rate.
+
+        A round does not wait for the previous one: one slow keep-alive must not delay every other
+        node's next refresh (which would withhold their heartbeat acks). A node whose refresh is
+        still in flight is skipped for the round; each refresh logs its own failure."""
         period = self.settings.node_lease_ttl_s / 3
-        while True:
-            await asyncio.sleep(period)
-            t = time.monotonic()
-            live = [
-                s
-                for s in list(self.sessions.values())
-                if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2
-            ]
-            # spread over the first half of the period: no burst of hundreds of keep-alives at once
-            spread = period / 2 / max(1, len(live))
-            results = await asyncio.gather(
-                *(self._refresh(s, i * spread) for i, s in enumerate(live)), return_exceptions=True
-            )
-            failed = sum(1 for r in results if isinstance(r, BaseException) or r is False)
-            if failed:
-                log.warning("node lease refresh", refreshed=len(live) - failed, failed=failed)
+        inflight: dict[str, asyncio.Task[bool]] = {}
+        try:
+            while True:
+                await asyncio.sleep(period)
+                for node in [n for n, task in inflight.items() if task.done()]:
+                    del inflight[node]
+                t = time.monotonic()
+                live = [
+                    s
+                    for s in list(self.sessions.values())
+                    if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2 and s.node not in inflight
+                ]
+                # spread over the first half of the period: no burst of hundreds of keep-alives at once
+                spread = period / 2 / max(1, len(live))
+                for i, s in enumerate(live):
+                    inflight[s.node] = asyncio.create_task(
+                        self._refresh(s, i * spread), name=f"lease-{s.node}"
+                    )
+        finally:
+            for task in inflight.values():
+                task.cancel()
+            await asyncio.gather(*inflight.values(), return_exceptions=True)
 
     async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
         await asyncio.sleep(after_s)
