@@ -193,7 +193,7 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
 
         def baseline_rate() -> float:
             r = prometheus.query(
-                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[20s]))'
+                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[2m]))'
             )
             return next((float(s["value"][1]) for s in r if s["metric"]["version"] == "baseline"), 0.0)
 
