@@ -30,6 +30,7 @@ from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, workload_pb2, workload_pb2_grpc
 from kunlun_common.pki import issue, paths_for
+from kunlun_common.states import InstancePhase
 from kunlun_common.tls import channel_credentials, load_tls
 
 
@@ -66,7 +67,7 @@ class PlacingAgent(SimAgent):
                 self.acked[iid] = now
             report = agent_pb2.InstanceReport(
                 instances=[
-                    agent_pb2.InstanceStatus(instance_id=a.instance_id, phase="Running")
+                    agent_pb2.InstanceStatus(instance_id=a.instance_id, phase=InstancePhase.RUNNING)
                     for a in msg.assignments.items
                 ]
             )

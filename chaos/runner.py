@@ -43,6 +43,7 @@ from chaos.netcluster import NetCluster, net_cluster
 from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.pki import etcd_client_paths
+from kunlun_common.states import InstancePhase
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,12 @@ def observe(probe: Probe, t0: float) -> Observation:
     running: set[str] = set()
     for w in summaries:
         name = w.workload.spec.name
-        live = [i for i in w.instances if i.phase == "Running" and i.endpoint]
+        live = [i for i in w.instances if i.phase == InstancePhase.RUNNING and i.endpoint]
         running |= {f"{name}={i.endpoint}" for i in live}
         for i in w.instances:
             if w.workload.deleting:
                 pending.append(f"{name}/{i.ordinal} {i.phase} (workload deleted)")
-            elif i.node and i.phase not in ("Running", "Stopped"):
+            elif i.node and i.phase not in (InstancePhase.RUNNING, InstancePhase.STOPPED):
                 pending.append(f"{name}/{i.ordinal} {i.phase} on {i.node}")
     routes = {g: gateway_routes(a) for g, a in probe.c.gateway_addrs.items()}
     return Observation(
@@ -168,7 +169,7 @@ def sampler(probe: Probe, h: RunHistory, t0: float, stop: threading.Event) -> No
         except (RuntimeError, grpc.RpcError):
             ws = []
         insts = [i for w in ws for i in w.instances]
-        running = sum(1 for i in insts if i.phase == "Running")
+        running = sum(1 for i in insts if i.phase == InstancePhase.RUNNING)
         h.samples.append(Sample(time.time() - t0, leader, running, len(insts)))
 
 
@@ -231,7 +232,9 @@ def drive(base: Path, run_id: str, profile_name: str, seed: int, out: Path, faul
         def serving() -> bool:
             w = p.any("workload", "GetWorkload", workload_pb2.GetWorkloadRequest(name=SERVE_WORKLOAD))
             eps = frozenset(
-                f"{SERVE_WORKLOAD}={i.endpoint}" for i in w.instances if i.phase == "Running" and i.endpoint
+                f"{SERVE_WORKLOAD}={i.endpoint}"
+                for i in w.instances
+                if i.phase == InstancePhase.RUNNING and i.endpoint
             )
             return len(eps) == 2 and all(gateway_routes(a) == eps for a in cluster.gateway_addrs.values())
 

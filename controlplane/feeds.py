@@ -48,6 +48,8 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
+    elif st.phase == InstancePhase.PENDING and st.reason.startswith("waiting for device"):
+        inst.reason = st.reason  # the node waits for an earlier engine to release a device
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts
@@ -207,8 +209,13 @@ class Feeds:
         self.index = AssignmentIndex(self.cache)
         self.routing = self.cache.topic(ROUTING)
         """Notified when endpoints or the gateway configuration may have changed."""
+        self.store = store
+        self.cluster_id = 0
+        """The etcd cluster id, sent with every assignment set (agents order sets by it and revision)."""
 
     async def start(self) -> None:
+        if self.store is not None:
+            self.cluster_id = await self.store.cluster_id()
         await self.cache.start()
 
     async def stop(self) -> None:
@@ -262,7 +269,7 @@ class Feeds:
                 )
             )
         items.sort(key=lambda a: a.instance_id)
-        return agent_pb2.Assignments(items=items, revision=self.cache.revision)
+        return agent_pb2.Assignments(items=items, revision=self.cache.revision, cluster_id=self.cluster_id)
 
     def endpoints(self) -> workload_pb2.EndpointsSnapshot:
         idx = self.index

@@ -25,6 +25,8 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | gateway-stats/<gateway>            | replica for gateway   | GatewayStats (proto JSON): the gateway's cumulative requests, errors, latency buckets per workload and version; written when changed, at most every 3 s | gateway lease |
 | instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
+| packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
+| package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction
 that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
@@ -65,6 +67,8 @@ GATEWAY_STATS = ROOT + "gateway-stats/"
 GATEWAY_KEYS = ROOT + "gateway-keys/"
 GATEWAY_POLICIES = ROOT + "gateway-policies/"
 GATEWAYS = ROOT + "gateways/"
+PACKAGES = ROOT + "packages/"
+PACKAGE_TRUST = ROOT + "package-trust/"
 SCHEMA = 1
 
 

@@ -27,11 +27,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kunlun_common.api import rollout_pb2
+from kunlun_common.states import RolloutPhase
 
 log = structlog.get_logger("metrics")
 
 PRIORITIES = ("high", "normal", "low")
-ROLLOUT_PHASES = ("Progressing", "Completed", "Aborted", "Degraded")
+ROLLOUT_PHASES = tuple(RolloutPhase)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -90,6 +90,15 @@ class NodeSessions:
         self.sessions: dict[str, NodeSession] = {}
         self._lock = asyncio.Lock()
 
+    async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> str | None:
+        """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
+        from controlplane.fencing import fencing_problem, stored_config
+
+        grace = (await stored_config(self.store)).node_not_ready_grace_seconds
+        return fencing_problem(
+            reg.node, reg.disconnect_deadline_s, reg.stop_grace_s, self.settings.node_lease_ttl_s, grace
+        )
+
     async def register(self, reg: agent_pb2.RegisterNode, identity: str) -> NodeSession:
         """Accept a node: write its record and take over (or create) its liveness lease."""
         node = reg.node
@@ -114,6 +123,9 @@ class NodeSessions:
             config_path=reg.config_path,
             updated_by=identity,
             node_service=reg.node_service,
+            disconnect_deadline_s=reg.disconnect_deadline_s,
+            stop_grace_s=reg.stop_grace_s,
+            lease_ttl_s=self.settings.node_lease_ttl_s,
             metrics_address=reg.metrics_address,
         )
         for d in record.devices:

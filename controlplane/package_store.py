@@ -24,8 +24,8 @@ from kunlun_common.clock import now_ms
 from kunlun_common.errors import PermanentError, TemporaryError
 from kunlun_common.modelpkg import TrustedKeys, Verified, verify_file
 
-PACKAGES = keys.ROOT + "packages/"
-TRUST = keys.ROOT + "package-trust/"
+PACKAGES = keys.PACKAGES
+TRUST = keys.PACKAGE_TRUST
 CAS_TRIES = 8
 
 

@@ -17,12 +17,14 @@ from controlplane import keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.ledger_service import LedgerService
 from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
+from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
@@ -141,6 +143,14 @@ class Replica:
                     ) from None
                 await asyncio.sleep(delay)
 
+    async def _check_fencing(self) -> None:
+        """Refuse to start when a registered node's self-fencing is too slow for our node lease TTL
+        and the stored grace (controlplane/fencing.py)."""
+        grace = (await stored_config(self.store)).node_not_ready_grace_seconds
+        problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
+        if problems:
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
         info = cluster_pb2.ReplicaInfo(
@@ -169,6 +179,7 @@ class Replica:
     async def start(self) -> None:
         await self.store.connect()
         await self._wait_for_etcd()
+        await self._check_fencing()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(
                 self.settings.metrics_listen, self.tls, self.metrics.registry, self.metrics.prepare
@@ -203,6 +214,7 @@ class Replica:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
         package_pb2_grpc.add_PackageServiceServicer_to_server(package, server)
+        agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))

@@ -35,6 +35,7 @@ from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
 from controlplane.store import KV, Compare, EtcdStore, PutOp
+from controlplane.workloads.records import add_history
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import TemporaryError
@@ -267,13 +268,14 @@ def completed_workload(w: workload_pb2.Workload, r: rollout_pb2.Rollout, by: str
     new.spec.CopyFrom(canary_spec(w, r))
     new.generation = w.generation + 1
     new.updated_by = by
-    new.history.append(
+    add_history(
+        new,
         workload_pb2.PhaseEvent(
             phase=WorkloadChange.UPDATED,
             at_unix_ms=now_ms(),
             by=by,
             reason=f"rollout completed: model {r.baseline_model} -> {r.spec.model}; generation {new.generation}",
-        )
+        ),
     )
     return new
 

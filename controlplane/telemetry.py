@@ -27,9 +27,10 @@ from controlplane.workloads import records
 from kunlun_common.api import telemetry_pb2, types_pb2, workload_pb2
 from kunlun_common.errors import InvalidInput
 from kunlun_common.names import VENDORS
+from kunlun_common.states import PLACED
 
 MB = 1024 * 1024
-PLACED_PHASES = ("Scheduled", "Starting", "Running")
+PLACED_PHASES = PLACED
 TEXT_FIELDS = ("node", "device", "device_type", "vendor", "model", "status", "health", "workload", "instance")
 NUMBER_FIELDS = {
     "utilization": "utilization",

@@ -12,12 +12,13 @@ from pathlib import Path
 import structlog
 
 from kunlun_common import tls
-from kunlun_common.api import types_pb2
+from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
+from node_agent.executor import fence, ledger
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
@@ -36,6 +37,30 @@ from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("agent")
 VERSION = "0.1.0"
+DEFAULT_NODE_LEASE_S = 10.0  # the replicas' default node_lease_ttl_s
+DEFAULT_NODE_GRACE_S = 30.0  # the scheduler's default node_not_ready_grace_seconds
+FENCE_RENEW_POLL_S = 0.2
+
+
+def check_fencing(settings: AgentSettings) -> None:
+    """Refuse self-fencing timings that cannot work: the deadline must outlast an agent restart,
+    and deadline + stop grace must stay below the default node lease + not-ready grace (the replica
+    checks the cluster's actual numbers again at registration)."""
+    ex = settings.executor
+    if ex.disconnect_stop_s < fence.MIN_DEADLINE_S:
+        raise ConfigError(
+            f"--disconnect-stop: {ex.disconnect_stop_s:g}s is shorter than an agent restart; expected at "
+            f"least {fence.MIN_DEADLINE_S:g}s (restarting the agent must never stop its engines)"
+        )
+    budget = ex.disconnect_stop_s + fence.FENCE_SLACK_S + ex.stop_grace_s
+    if budget >= DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:
+        raise ConfigError(
+            f"--disconnect-stop {ex.disconnect_stop_s:g}s + fence check slack {fence.FENCE_SLACK_S:g}s + "
+            f"--stop-grace {ex.stop_grace_s:g}s = {budget:g}s is "
+            f"not below the default node lease {DEFAULT_NODE_LEASE_S:g}s + node_not_ready_grace_seconds "
+            f"{DEFAULT_NODE_GRACE_S:g}s = {DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:g}s: an engine cut off "
+            "with its node could still run when its instance starts elsewhere; lower them"
+        )
 
 
 def protection_names(p: Protections) -> list[str]:
@@ -56,6 +81,7 @@ def protection_names(p: Protections) -> list[str]:
 class Agent:
     def __init__(self, settings: AgentSettings, config: NodeConfig | None = None) -> None:
         self.settings = settings
+        check_fencing(settings)
         self.config = config or load_config(settings.config_path)
         paths = paths_for(settings.cert_dir, "agent", self.config.node_name)
         self.tls = tls.load_tls(paths, expect_roles=("agent",))
@@ -66,6 +92,7 @@ class Agent:
             )
         state_dir = Path(settings.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir = state_dir.resolve()
         simulated = simulated_mode(self.config, state_dir) if self.config.simulated else None
         env = simulated.env if simulated is not None else dict(os.environ)
         self.devices = DeviceManager(self.config, env)
@@ -90,9 +117,13 @@ class Agent:
             protection_names(self.protections),
             self._seconds_since_contact,
             simulated.chip_usage if simulated is not None else None,
+            fence_deadline_s=settings.executor.disconnect_stop_s,
         )
         self.node_service = NodeServiceServer(
-            self.tls, NodeServiceServicer(self.config.node_name, self.executor.instance_dir)
+            self.tls,
+            NodeServiceServicer(
+                self.config.node_name, self.executor.instance_dir, ledger.ledger_path(self.state_dir)
+            ),
         )
         self.node_service_address = ""
         self.metrics: MetricsServer | None = None
@@ -100,16 +131,7 @@ class Agent:
         self.link = ReplicaLink(
             settings.endpoints,
             self.tls,
-            register=lambda: registration(
-                self.config.node_name,
-                self.config.address,
-                self.config.simulated,
-                self.devices.devices(),
-                VERSION,
-                os.path.abspath(self.config.path),
-                self.node_service_address,
-                self.metrics_address,
-            ),
+            register=self._registration,
             samples=self.devices.samples,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             ack_timeout_s=settings.ack_timeout_s,
@@ -118,6 +140,36 @@ class Agent:
             reports=self.executor.report,
             report_changed=self.executor.changed,
         )
+
+    def _registration(self) -> agent_pb2.RegisterNode:
+        reg = registration(
+            self.config.node_name,
+            self.config.address,
+            self.config.simulated,
+            self.devices.devices(),
+            VERSION,
+            os.path.abspath(self.config.path),
+            self.node_service_address,
+            self.metrics_address,
+        )
+        reg.disconnect_deadline_s = self.settings.executor.disconnect_stop_s + fence.FENCE_SLACK_S
+        reg.stop_grace_s = self.settings.executor.stop_grace_s
+        return reg
+
+    async def _renew_fence(self) -> None:
+        """Renew the engines' fence lease after every acknowledged heartbeat (see executor/fence.py)."""
+        path = self.state_dir / fence.FENCE_FILE
+        deadline = self.settings.executor.disconnect_stop_s
+        written = 0.0
+        while True:
+            ack = self.link.last_ack
+            if ack > written:
+                try:
+                    await asyncio.to_thread(fence.renew, path, ack, deadline)
+                    written = ack
+                except OSError as e:
+                    log.error("could not renew the engines' fence lease", path=str(path), error=str(e))
+            await asyncio.sleep(FENCE_RENEW_POLL_S)
 
     def _seconds_since_contact(self) -> float:
         return time.monotonic() - self.link.last_contact
@@ -192,6 +244,7 @@ class Agent:
         tasks = [
             asyncio.create_task(self.link.run(), name="link"),
             asyncio.create_task(self._sample_loop(), name="sampler"),
+            asyncio.create_task(self._renew_fence(), name="fence"),
         ]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -52,4 +52,4 @@ def safe_assignments(msg: agent_pb2.Assignments) -> agent_pb2.Assignments:
             keep.append(a)
     if len(keep) == len(msg.items):
         return msg
-    return agent_pb2.Assignments(items=keep, revision=msg.revision)
+    return agent_pb2.Assignments(items=keep, revision=msg.revision, cluster_id=msg.cluster_id)

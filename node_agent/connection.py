@@ -44,7 +44,7 @@ class ReplicaLink:
         heartbeat_interval_s: float = 1.0,
         ack_timeout_s: float = 3.0,
         connect_timeout_s: float = 5.0,
-        on_assignments: Callable[[agent_pb2.Assignments], None] | None = None,
+        on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
     ) -> None:

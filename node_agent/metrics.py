@@ -22,10 +22,17 @@ from prometheus_client.registry import Collector
 
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.names import VENDORS
+from kunlun_common.states import InstancePhase
 
 MB = 1024 * 1024
 STATUSES = ("Ready", "Unhealthy", "Unavailable", "Error")
-PHASES = ("Starting", "Running", "Failed", "Stopped", "CrashLoopBackOff")
+PHASES = (
+    InstancePhase.STARTING,
+    InstancePhase.RUNNING,
+    InstancePhase.FAILED,
+    InstancePhase.STOPPED,
+    InstancePhase.CRASH_LOOP,
+)
 DEVICE_LABELS = ("node", "device", "device_type", "vendor")
 INSTANCE_LABELS = ("node", "workload", "instance")
 

@@ -24,6 +24,7 @@ from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import ConfigError
 from node_agent.assignment_check import id_problem
+from node_agent.executor import ledger
 from node_agent.executor.logfiles import LogFollower, LogSettings
 
 log = structlog.get_logger("node-service")
@@ -38,9 +39,16 @@ async def _abort(context: Ctx, code: grpc.StatusCode, msg: str) -> NoReturn:
 
 
 class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
-    def __init__(self, node: str, instance_dir: Callable[[str], Path | None], poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        node: str,
+        instance_dir: Callable[[str], Path | None],
+        ledger_file: Path | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
         self.node = node
         self.instance_dir = instance_dir
+        self.ledger_file = ledger_file
         self.poll_s = poll_s
         self.log_file = LogSettings().file_name
 
@@ -78,6 +86,44 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                     )
         finally:
             follower.close()
+
+    async def Engines(self, request: agent_pb2.EnginesRequest, context: Ctx) -> agent_pb2.EnginesResponse:
+        """The node's engine ledger (`executor/ledger.py`), oldest first (the last `tail` if > 0)."""
+        ident = tls.peer_identity(context.auth_context())  # type: ignore[arg-type]
+        if ident is None or ident.role not in ALLOWED_ROLES:
+            log.warning("refused Engines call", identity=str(ident), peer=context.peer())
+            await _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{ident or 'a caller without certificate'} may not read the engine ledger of node "
+                f"{self.node} (allowed roles: {', '.join(ALLOWED_ROLES)})",
+            )
+        if request.node and request.node != self.node:
+            await _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"this agent serves node {self.node}, not {request.node!r}",
+            )
+        if self.ledger_file is None:
+            return agent_pb2.EnginesResponse()
+        entries = await asyncio.to_thread(ledger.read, self.ledger_file, max(0, request.tail))
+        out = agent_pb2.EnginesResponse()
+        for e in entries:
+            try:
+                out.items.add(
+                    event=str(e["event"]),
+                    node=str(e.get("node", "")),
+                    instance=str(e.get("instance", "")),
+                    devices=[str(d) for d in e.get("devices", [])],
+                    pid=int(e.get("pid", 0)),
+                    wall_ms=int(e.get("wall_ms", 0)),
+                    mono_ns=int(e.get("mono_ns", 0)),
+                    boot_id=str(e.get("boot_id", "")),
+                    cause=str(e.get("cause", "")),
+                )
+            except (TypeError, ValueError):
+                continue
+        return out
 
 
 class NodeServiceServer:

@@ -161,6 +161,12 @@ def test_weight_formats_are_detected_and_checked_against_the_engine(tmp_path: Pa
     (fake / "model.safetensors").write_bytes(b"this is not safetensors at all")
     with pytest.raises(PackInputError, match=r"model.safetensors: not a safetensors file"):
         _pack(fake, tmp_path / "fake.kunlunpkg")
+    lying = tmp_path / "lying"
+    lying.mkdir()
+    header = json.dumps({"w": {"dtype": "F16", "shape": [10**9], "data_offsets": [0, 16]}}).encode()
+    (lying / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    with pytest.raises(PackInputError, match=r"tensor 'w': data_offsets \[0, 16\] do not match"):
+        _pack(lying, tmp_path / "lying.kunlunpkg")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text("{}")

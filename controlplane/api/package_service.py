@@ -24,6 +24,7 @@ import grpc
 
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.rpc import fail
 from controlplane.package_store import (
     PACKAGES,
     BlobStore,
@@ -39,12 +40,12 @@ from controlplane.store import Compare, EtcdStore
 from controlplane.store.contract import DeleteOp, PutOp
 from kunlun_common.api import package_pb2, package_pb2_grpc
 from kunlun_common.clock import now_ms
-from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.errors import ConfigError
 from kunlun_common.modelpkg import PackageError
 from kunlun_common.modelpkg.signing import key_id, parse_public_key, public_pem
 
 SVC = "/kunlun.v1.PackageService/"
-TRUST = keys.ROOT + "package-trust/"
+TRUST = keys.PACKAGE_TRUST
 AUDIT_TRUST = keys.AUDIT + "package-trust/"
 MAX_PEM_BYTES = 1024
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,62}$")
@@ -177,11 +178,7 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
         return package_message(rec)
 
     async def _fail(self, context: Ctx, e: Exception) -> None:
-        if isinstance(e, TemporaryError):
-            await abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        if isinstance(e, PermanentError):
-            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        raise e
+        await fail(context, e)  # the one error mapping (controlplane/api/rpc.py)
 
     async def AddTrustedKey(
         self, request: package_pb2.AddTrustedKeyRequest, context: Ctx

@@ -11,7 +11,11 @@ from controlplane import keys
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
+<<<<<<< HEAD
 from controlplane.graph import load_nodes
+=======
+from controlplane.fencing import node_problems, registered_nodes
+>>>>>>> main
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
@@ -135,7 +139,12 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     async def SetSchedulerConfig(
         self, request: workload_pb2.SchedulerConfigText, context: Ctx, who: Identity
     ) -> workload_pb2.SchedulerConfigText:
-        text = to_yaml(parse_scheduler_config(request.yaml, "scheduler_config.yaml"))
+        cfg = parse_scheduler_config(request.yaml, "scheduler_config.yaml")
+        if problems := node_problems(await registered_nodes(self.store), cfg.node_not_ready_grace_seconds):
+            raise PermanentError(
+                "; ".join(problems)
+            )  # FAILED_PRECONDITION: the grace or the agents must change
+        text = to_yaml(cfg)
         await self.store.put(
             keys.SCHEDULER_CONFIG,
             keys.encode({"yaml": text, "by": str(who), "at_ms": now_ms()}),

@@ -18,6 +18,7 @@ from controlplane.cli import (
     gateway_cmd,
     model_cmd,
     node_cmd,
+    node_engines_cmd,
     rollout_cmd,
     scheduler_cmd,
     telemetry_cmd,
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry_cmd.register(sub, common)
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
+    node_engines_cmd.register(sub, common)
     return p
 
 

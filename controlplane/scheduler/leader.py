@@ -78,13 +78,21 @@ class SchedulerLoop:
         self.store = store
         self.by = f"scheduler@{replica}"
         self.unhealthy_since: dict[str, float] = {}
+        self.not_ready_since: dict[str, float] = {}
         self.ticks = 0
         # the replica's metrics (controlplane/metrics.py), told about every tick's decisions
         self.metrics: ReplicaMetrics | None = None
         self._queue: dict[str, int] = {}
         self._unplaced_reasons: dict[str, int] = {}
 
+    def new_term(self) -> None:
+        """Forget what an earlier term observed: graces are measured from what THIS term saw, on this
+        process's monotonic clock, so a failover can only lengthen a grace, never shorten it."""
+        self.unhealthy_since = {}
+        self.not_ready_since = {}
+
     async def run(self, fence: Fence) -> None:
+        self.new_term()
         cache = GraphCache(self.store)
         await cache.start()
         log.info("scheduler started", epoch=fence.epoch, revision=cache.revision, keys=len(cache.kvs))
@@ -166,16 +174,28 @@ class SchedulerLoop:
                 units.append(remove_instance(inst, kv, st.allocs))
         return units
 
-    def reschedule_units(self, st: ClusterState, now: float) -> list[Unit]:
-        """Instances on nodes NotReady past the grace period, or on devices Unhealthy past theirs."""
+    def observe(self, st: ClusterState, mono: float) -> None:
+        """Record, on this leader's monotonic clock, when it first saw each node without its liveness
+        lease and each device Unhealthy (forgotten as soon as they are fine again)."""
+        unhealthy = {
+            d.name
+            for n in st.nodes.values()
+            for d in n.devices
+            if DeviceState.of(d.status) is DeviceState.UNHEALTHY
+        }
+        self.unhealthy_since = {d: self.unhealthy_since.get(d, mono) for d in unhealthy}
+        placed_on = {i.node for i, _ in st.instances.values() if i.node}
+        gone = {n for n in (set(st.nodes) | placed_on) if n not in st.alive}
+        self.not_ready_since = {n: self.not_ready_since.get(n, mono) for n in gone}
+
+    def reschedule_units(self, st: ClusterState, mono: float) -> list[Unit]:
+        """Instances on nodes NotReady past the grace period, or on devices Unhealthy past theirs.
+
+        `mono` is this process's monotonic clock; a grace counts from when this leader term first
+        observed the node without its lease (`observe`), never from a time another replica wrote."""
         cfg = st.config
         units: list[Unit] = []
-        unhealthy: set[str] = set()
-        for n in st.nodes.values():
-            for d in n.devices:
-                if DeviceState.of(d.status) is DeviceState.UNHEALTHY:
-                    unhealthy.add(d.name)
-        self.unhealthy_since = {d: self.unhealthy_since.get(d, now) for d in unhealthy}
+        self.observe(st, mono)
         for inst, kv in st.instances.values():
             if inst.phase not in PLACED or not inst.node:
                 continue
@@ -185,15 +205,17 @@ class SchedulerLoop:
             generation = owner[0].generation
             reason = ""
             if inst.node not in st.alive:
-                since = st.node_status.get(inst.node, {}).get("since_ms")
-                down_for = now - (float(since) / 1000 if isinstance(since, int | float) else now)
-                if inst.node not in st.nodes or down_for >= cfg.node_not_ready_grace_seconds:
-                    reason = f"Rescheduled: node {inst.node} NotReady for {down_for:.0f}s"
+                down_for = mono - self.not_ready_since.get(inst.node, mono)
+                if down_for >= cfg.node_not_ready_grace_seconds:
+                    reason = (
+                        f"Rescheduled: node {inst.node} NotReady for {down_for:.1f}s "
+                        f"(grace {cfg.node_not_ready_grace_seconds:g}s, as seen by this leader)"
+                    )
             bad = [
                 d
                 for d in inst.target_devices
                 if d in self.unhealthy_since
-                and now - self.unhealthy_since[d] >= cfg.device_unhealthy_grace_seconds
+                and mono - self.unhealthy_since[d] >= cfg.device_unhealthy_grace_seconds
             ]
             if bad and not reason:
                 reason = f"Rescheduled: device {bad[0]} Unhealthy"
@@ -301,12 +323,13 @@ class SchedulerLoop:
         t0 = time.perf_counter()
         now = time.time()
         st = cache_state(cache)  # decoded incrementally, one changed record at a time
+        self.observe(st, time.monotonic())  # every tick, so a grace never starts late
         if st.config_error:
             log.warning("stored scheduler config unreadable; using defaults", error=st.config_error)
         units = self.lifecycle_units(st)
         if units:  # structure first; placement on the next tick sees the new instances
             return await self.commit(fence, units, "lifecycle", t0)
-        units = self.reschedule_units(st, now) + self.drain_units(st, now)
+        units = self.reschedule_units(st, time.monotonic()) + self.drain_units(st, now)
         placement, placed, unplaced, evicted = self.placement_units(st, now)
         units += placement
         if self.metrics is not None:

@@ -249,6 +249,14 @@ class EtcdStore:
         )
         return [_kv(m) for m in resp.kvs], int(resp.header.revision)
 
+    async def cluster_id(self) -> int:
+        """The etcd cluster's id (changes when a cluster is restored from a backup as a new one)."""
+        req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)  # inside the prefix RBAC lets us read
+        resp = await self._call(
+            "cluster id", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
+        )
+        return int(resp.header.cluster_id)
+
     async def revision(self) -> int:
         """The store's current revision."""
         # a key inside the cluster prefix: etcd's RBAC lets the replicas' user read nothing else

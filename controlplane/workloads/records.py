@@ -21,6 +21,33 @@ class Conflict(TemporaryError):
     """Someone else changed the record first; re-read and retry."""
 
 
+MAX_HISTORY = 50
+"""Workload history entries kept (older ones are counted per phase in `history_dropped`)."""
+MAX_RECORD_BYTES = 1 << 20
+"""Largest encoded workload record written (etcd refuses requests over 1.5 MiB by default)."""
+
+
+def add_history(w: workload_pb2.Workload, event: workload_pb2.PhaseEvent) -> None:
+    """Append an event, keeping the last MAX_HISTORY and counting the dropped ones per phase."""
+    w.history.append(event)
+    extra = len(w.history) - MAX_HISTORY
+    if extra > 0:
+        for old in w.history[:extra]:
+            w.history_dropped[old.phase] = w.history_dropped.get(old.phase, 0) + 1
+        del w.history[:extra]
+
+
+def encode_checked(w: workload_pb2.Workload) -> bytes:
+    """The record's bytes; PermanentError (naming the size and the limit) when it is too big to write."""
+    data = keys.encode_message(w)
+    if len(data) > MAX_RECORD_BYTES:
+        raise PermanentError(
+            f"workload {w.spec.name!r}: the record would be {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte "
+            "limit; shorten the spec (env, engine_args) and submit again"
+        )
+    return data
+
+
 def decode_workload(kv: KV) -> workload_pb2.Workload:
     w = workload_pb2.Workload()
     keys.decode_message(kv.value, w)
@@ -68,7 +95,7 @@ async def submit(
                 [Compare.absent(keys.workload_name(spec.name))],
                 [
                     PutOp(keys.workload_name(spec.name), keys.encode({"id": wid})),
-                    PutOp(keys.workload(wid), keys.encode_message(w)),
+                    PutOp(keys.workload(wid), encode_checked(w)),
                 ],
             )
             if res.succeeded:
@@ -82,13 +109,14 @@ async def submit(
         w.spec.CopyFrom(spec)
         w.generation += 1
         w.updated_by = who
-        w.history.append(
+        add_history(
+            w,
             workload_pb2.PhaseEvent(
                 phase=WorkloadChange.UPDATED, at_unix_ms=now_ms(), by=who, reason=f"generation {w.generation}"
-            )
+            ),
         )
         res = await store.txn(
-            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, keys.encode_message(w))]
+            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, encode_checked(w))]
         )
         if res.succeeded:
             return w, "updated"
@@ -116,9 +144,9 @@ async def update(
                 return w
             w.deleting = True
         w.updated_by = who
-        w.history.append(workload_pb2.PhaseEvent(phase=change, at_unix_ms=now_ms(), by=who))
+        add_history(w, workload_pb2.PhaseEvent(phase=change, at_unix_ms=now_ms(), by=who))
         res = await store.txn(
-            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, keys.encode_message(w))]
+            [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, encode_checked(w))]
         )
         if res.succeeded:
             return w

@@ -65,8 +65,13 @@ class Assignments(_message.Message):
 
     ITEMS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
-    """etcd revision the set was read at (increasing)."""
+    """etcd revision the set was read at (increasing within one etcd cluster)."""
+    cluster_id: _builtins.int
+    """The etcd cluster id the set was read from; agents order sets by (cluster_id, revision) and
+    ignore older ones; a new cluster id (a restore from backup) resets the mark.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Assignment]: ...
     def __init__(
@@ -74,10 +79,11 @@ class Assignments(_message.Message):
         *,
         items: _abc.Iterable[Global___Assignment] | None = ...,
         revision: _builtins.int = ...,
+        cluster_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "items", b"items", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -199,6 +205,8 @@ class RegisterNode(_message.Message):
     CONFIG_PATH_FIELD_NUMBER: _builtins.int
     NODE_SERVICE_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    DISCONNECT_DEADLINE_S_FIELD_NUMBER: _builtins.int
+    STOP_GRACE_S_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Must equal the node named by the agent's certificate."""
     address: _builtins.str
@@ -210,6 +218,13 @@ class RegisterNode(_message.Message):
     """host:port of the agent's own NodeService (logs), reachable by replicas."""
     metrics_address: _builtins.str
     """host:port of the agent's Prometheus exporter (HTTPS, monitoring certificates); empty: none."""
+    disconnect_deadline_s: _builtins.float
+    """Self-fencing: each engine stops by itself at most this long after the agent's last acknowledged
+    heartbeat (--disconnect-stop plus the supervisors' check slack), then takes up to stop_grace_s
+    to end. The replica refuses a registration unless
+    disconnect_deadline_s + stop_grace_s < node lease + node_not_ready_grace_seconds.
+    """
+    stop_grace_s: _builtins.float
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -224,10 +239,12 @@ class RegisterNode(_message.Message):
         config_path: _builtins.str = ...,
         node_service: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
+        disconnect_deadline_s: _builtins.float = ...,
+        stop_grace_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "simulated", b"simulated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -442,3 +459,99 @@ class LogChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LogChunk: _TypeAlias = LogChunk  # noqa: Y015
+
+@_typing.final
+class EngineEvent(_message.Message):
+    """One start or stop of an engine, from the node-local engine ledger
+    (`<agent state dir>/ledger/engines.jsonl`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    WALL_MS_FIELD_NUMBER: _builtins.int
+    MONO_NS_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    event: _builtins.str
+    """"start" or "stop"."""
+    node: _builtins.str
+    instance: _builtins.str
+    pid: _builtins.int
+    wall_ms: _builtins.int
+    mono_ns: _builtins.int
+    """time.monotonic_ns() on the node (comparable only within one boot_id)."""
+    boot_id: _builtins.str
+    cause: _builtins.str
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """`<node>/<type>:<index>` of every device the engine held."""
+
+    def __init__(
+        self,
+        *,
+        event: _builtins.str = ...,
+        node: _builtins.str = ...,
+        instance: _builtins.str = ...,
+        devices: _abc.Iterable[_builtins.str] | None = ...,
+        pid: _builtins.int = ...,
+        wall_ms: _builtins.int = ...,
+        mono_ns: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
+        cause: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "cause", b"cause", "devices", b"devices", "event", b"event", "instance", b"instance", "mono_ns", b"mono_ns", "node", b"node", "pid", b"pid", "wall_ms", b"wall_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineEvent: _TypeAlias = EngineEvent  # noqa: Y015
+
+@_typing.final
+class EnginesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    TAIL_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """The node whose ledger to read (checked by the agent against its own name)."""
+    tail: _builtins.int
+    """Last N events (0: every event kept)."""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        tail: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "tail", b"tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnginesRequest: _TypeAlias = EnginesRequest  # noqa: Y015
+
+@_typing.final
+class EnginesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineEvent]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___EngineEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnginesResponse: _TypeAlias = EnginesResponse  # noqa: Y015

@@ -40,6 +40,11 @@ class NodeServiceStub:
                 request_serializer=kunlun_dot_v1_dot_agent__pb2.LogsRequest.SerializeToString,
                 response_deserializer=kunlun_dot_v1_dot_agent__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.Engines = channel.unary_unary(
+                '/kunlun.v1.NodeService/Engines',
+                request_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -52,6 +57,13 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Engines(self, request, context):
+        """The node's engine ledger.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Logs,
                     request_deserializer=kunlun_dot_v1_dot_agent__pb2.LogsRequest.FromString,
                     response_serializer=kunlun_dot_v1_dot_agent__pb2.LogChunk.SerializeToString,
+            ),
+            'Engines': grpc.unary_unary_rpc_method_handler(
+                    servicer.Engines,
+                    request_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +106,108 @@ class NodeService:
             '/kunlun.v1.NodeService/Logs',
             kunlun_dot_v1_dot_agent__pb2.LogsRequest.SerializeToString,
             kunlun_dot_v1_dot_agent__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Engines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.NodeService/Engines',
+            kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
+            kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class LedgerServiceStub:
+    """Served by replicas for operators: a node's engine ledger, read through its agent.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.NodeEngines = channel.unary_unary(
+                '/kunlun.v1.LedgerService/NodeEngines',
+                request_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
+                _registered_method=True)
+
+
+class LedgerServiceServicer:
+    """Served by replicas for operators: a node's engine ledger, read through its agent.
+    """
+
+    def NodeEngines(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LedgerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'NodeEngines': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeEngines,
+                    request_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kunlun.v1.LedgerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kunlun.v1.LedgerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class LedgerService:
+    """Served by replicas for operators: a node's engine ledger, read through its agent.
+    """
+
+    @staticmethod
+    def NodeEngines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.LedgerService/NodeEngines',
+            kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
+            kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
             options,
             channel_credentials,
             insecure,

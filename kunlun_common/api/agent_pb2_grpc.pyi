@@ -34,6 +34,8 @@ class NodeServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> NodeServiceAsyncStub: ...
     Logs: _grpc.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]
+    Engines: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]
+    """The node's engine ledger."""
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -41,6 +43,8 @@ class NodeServiceAsyncStub(NodeServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Logs: _aio.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]  # type: ignore[assignment]
+    Engines: _aio.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]  # type: ignore[assignment]
+    """The node's engine ledger."""
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself."""
@@ -52,7 +56,43 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_agent_pb2.LogChunk], _abc.AsyncIterator[_agent_pb2.LogChunk]]: ...
 
+    @_abc_1.abstractmethod
+    def Engines(
+        self,
+        request: _agent_pb2.EnginesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.EnginesResponse, _abc.Awaitable[_agent_pb2.EnginesResponse]]:
+        """The node's engine ledger."""
+
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class LedgerServiceStub:
+    """Served by replicas for operators: a node's engine ledger, read through its agent."""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> LedgerServiceAsyncStub: ...
+    NodeEngines: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]
+
+@_typing.type_check_only
+class LedgerServiceAsyncStub(LedgerServiceStub):
+    """Served by replicas for operators: a node's engine ledger, read through its agent."""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    NodeEngines: _aio.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]  # type: ignore[assignment]
+
+class LedgerServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Served by replicas for operators: a node's engine ledger, read through its agent."""
+
+    @_abc_1.abstractmethod
+    def NodeEngines(
+        self,
+        request: _agent_pb2.EnginesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.EnginesResponse, _abc.Awaitable[_agent_pb2.EnginesResponse]]: ...
+
+def add_LedgerServiceServicer_to_server(servicer: LedgerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class AgentServiceStub:
     @_typing.overload

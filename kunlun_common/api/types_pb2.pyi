@@ -196,6 +196,9 @@ class Node(_message.Message):
     PROTECTIONS_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
+    DISCONNECT_DEADLINE_S_FIELD_NUMBER: _builtins.int
+    STOP_GRACE_S_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     address: _builtins.str
     """The address its instances serve on (cluster address)."""
@@ -220,6 +223,13 @@ class Node(_message.Message):
     """The agent's last note (e.g. "engines stopped: no replica reachable for 20s")."""
     metrics_address: _builtins.str
     """host:port of the agent's Prometheus exporter (empty: none)."""
+    disconnect_deadline_s: _builtins.float
+    """Self-fencing of the node's engines as the agent registered it, and the node lease TTL of the
+    replica that accepted it: `scheduler config set` refuses a grace that breaks
+    disconnect_deadline_s + stop_grace_s < lease_ttl_s + node_not_ready_grace_seconds.
+    """
+    stop_grace_s: _builtins.float
+    lease_ttl_s: _builtins.int
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Device]: ...
     @_builtins.property
@@ -247,10 +257,13 @@ class Node(_message.Message):
         protections: _abc.Iterable[_builtins.str] | None = ...,
         note: _builtins.str = ...,
         metrics_address: _builtins.str = ...,
+        disconnect_deadline_s: _builtins.float = ...,
+        stop_grace_s: _builtins.float = ...,
+        lease_ttl_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "connected_replica", b"connected_replica", "cordoned", b"cordoned", "devices", b"devices", "last_heartbeat_unix_ms", b"last_heartbeat_unix_ms", "metrics_address", b"metrics_address", "name", b"name", "node_service", b"node_service", "not_ready_since_unix_ms", b"not_ready_since_unix_ms", "note", b"note", "protections", b"protections", "ready", b"ready", "registered_at_unix_ms", b"registered_at_unix_ms", "simulated", b"simulated", "updated_by", b"updated_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "connected_replica", b"connected_replica", "cordoned", b"cordoned", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "last_heartbeat_unix_ms", b"last_heartbeat_unix_ms", "lease_ttl_s", b"lease_ttl_s", "metrics_address", b"metrics_address", "name", b"name", "node_service", b"node_service", "not_ready_since_unix_ms", b"not_ready_since_unix_ms", "note", b"note", "protections", b"protections", "ready", b"ready", "registered_at_unix_ms", b"registered_at_unix_ms", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s", "updated_by", b"updated_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -168,6 +168,26 @@ Global___PhaseEvent: _TypeAlias = PhaseEvent  # noqa: Y015
 class Workload(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class HistoryDroppedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ID_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
@@ -176,6 +196,7 @@ class Workload(_message.Message):
     UPDATED_BY_FIELD_NUMBER: _builtins.int
     DELETING_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    HISTORY_DROPPED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     generation: _builtins.int
     """Increases with every accepted spec change."""
@@ -187,7 +208,13 @@ class Workload(_message.Message):
     @_builtins.property
     def spec(self) -> Global___WorkloadSpec: ...
     @_builtins.property
-    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseEvent]: ...
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseEvent]:
+        """The last MAX_HISTORY events (controlplane/workloads/records.py); older ones are counted below."""
+
+    @_builtins.property
+    def history_dropped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """How many older events were dropped from `history`, per phase (e.g. {"Scaled": 1200})."""
+
     def __init__(
         self,
         *,
@@ -199,10 +226,11 @@ class Workload(_message.Message):
         updated_by: _builtins.str = ...,
         deleting: _builtins.bool = ...,
         history: _abc.Iterable[Global___PhaseEvent] | None = ...,
+        history_dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "deleting", b"deleting", "generation", b"generation", "history", b"history", "id", b"id", "spec", b"spec", "updated_by", b"updated_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "deleting", b"deleting", "generation", b"generation", "history", b"history", "history_dropped", b"history_dropped", "id", b"id", "spec", b"spec", "updated_by", b"updated_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

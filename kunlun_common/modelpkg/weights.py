@@ -103,6 +103,11 @@ def _check_magic(path: Path, rel: str, fmt: str) -> None:
         raise PackInputError(f"{rel}: not a PyTorch checkpoint (neither zip nor pickle); check the file")
 
 
+def _header_len(path: Path) -> int:
+    with path.open("rb") as f:
+        return int(struct.unpack("<Q", f.read(8))[0])
+
+
 def detect(folder: Path, files: list[str]) -> WeightInfo:
     """Inspect the weights among `files` (paths relative to `folder`). Safetensors wins when both exist."""
     st = [f for f in files if f.endswith(SAFETENSORS_EXT)]
@@ -115,6 +120,7 @@ def detect(folder: Path, files: list[str]) -> WeightInfo:
         params, bits_weighted = 0, 0
         for rel in st:
             header = _safetensors_header(folder / rel, rel)
+            data_bytes = (folder / rel).stat().st_size - 8 - _header_len(folder / rel)
             for name, t in header.items():
                 if name == "__metadata__":
                     continue
@@ -128,6 +134,17 @@ def detect(folder: Path, files: list[str]) -> WeightInfo:
                     )
                 dt, bits = _ST_DTYPES[t["dtype"]]
                 n = math.prod(int(x) for x in t["shape"])
+                off = t.get("data_offsets")
+                if (
+                    not isinstance(off, list)
+                    or len(off) != 2
+                    or not 0 <= off[0] <= off[1] <= data_bytes
+                    or (off[1] - off[0]) * 8 != n * bits
+                ):
+                    raise PackInputError(
+                        f"{rel}: tensor {name!r}: data_offsets {off} do not match its shape and dtype "
+                        f"within the file's {data_bytes} data bytes (a damaged or hand-made header)"
+                    )
                 dtypes.add(dt)
                 params += n
                 bits_weighted += n * bits

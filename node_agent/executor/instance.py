@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -42,6 +43,7 @@ from kunlun_common.api import agent_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
 from kunlun_common.states import ExitCause, InstancePhase
+from node_agent.executor import devlock
 from node_agent.executor.prepare import NodeContext, PrepareError, prepare
 from node_agent.executor.probes import endpoint, first_token_ms, probe_health
 from node_agent.executor.supervisor_api import (
@@ -58,6 +60,8 @@ from node_agent.executor.supervisor_api import (
 log = structlog.get_logger("executor")
 AGENT_FILE = "agent.json"
 LAUNCH_TIMEOUT_S = 60.0
+DEVICE_POLL_S = 0.25
+STOP_RETRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,10 @@ class InstanceWorker:
         on_change: Callable[[], None],
         handle: SupervisorHandle | None = None,
         saved: dict[str, Any] | None = None,
+        fence_deadline_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
+        self.fence_deadline_s = fence_deadline_s
         self.assignment = assignment
         self.fingerprint = fingerprint
         self.on_change = on_change
@@ -264,10 +270,20 @@ class InstanceWorker:
             env_names=list(prep.env_names),
             device_nodes=list(prep.plan.device_nodes),
         )
+        state_dir = self.ctx.instances_dir.parent
+        spec = dataclasses.replace(
+            prep.spec,
+            node=self.ctx.node,
+            devices=tuple(self.assignment.devices),
+            agent_state_dir=str(state_dir),
+            fence_deadline_s=self.fence_deadline_s,
+        )
+        if await self._wait_for_devices(state_dir / devlock.LOCK_DIR, list(self.assignment.devices)):
+            return None
         self.dir.mkdir(parents=True, exist_ok=True)
         self._persist()  # before the launch: a restarted agent must recognise the supervisor
         try:
-            self.handle = await asyncio.to_thread(launch, prep.spec, LAUNCH_TIMEOUT_S)
+            self.handle = await asyncio.to_thread(launch, spec, LAUNCH_TIMEOUT_S)
         except TemporaryError as e:
             self.handle = await asyncio.to_thread(adopt, self.dir)
             if self.handle is None:
@@ -284,6 +300,19 @@ class InstanceWorker:
             prepare_seconds=round(time.monotonic() - t0, 3),
         )
         return None
+
+    async def _wait_for_devices(self, lock_dir: Path, devices: list[str]) -> bool:
+        """Wait while an earlier engine still holds one of our devices (its phase reason says so);
+        True when a stop was requested meanwhile."""
+        while (held := await asyncio.to_thread(devlock.busy, lock_dir, devices)) is not None:
+            who = await asyncio.to_thread(devlock.holder, lock_dir, held)
+            self._set(
+                phase=InstancePhase.PENDING,
+                reason=f"waiting for device {held}: still held by {who or 'an engine'}",
+            )
+            if await self._sleep(DEVICE_POLL_S):
+                return True
+        return False
 
     async def _watch(self) -> Ended | None:
         assert self.handle is not None
@@ -354,20 +383,28 @@ class InstanceWorker:
         )
         await self._sleep(delay)
 
-    async def _stop_engine(self) -> None:
+    async def _stop_engine(self) -> str | None:
+        """Stop the engine; None when it is gone, else why it could not be stopped (the handle is
+        kept so the caller can try again: an engine is never forgotten while it may run)."""
         if self._ftl is not None:
             self._ftl.cancel()
-        handle, self.handle = self.handle, None
+        handle = self.handle
         if handle is not None:
             try:
                 record = await asyncio.to_thread(stop, handle, self.ctx.settings.stop_grace_s)
             except (OSError, KunlunError) as e:
                 log.error("could not stop the engine", instance=self.iid, error=str(e))
-                return
+                return f"{type(e).__name__}: {e}"
+            if alive(handle):
+                return f"supervisor pid {handle.supervisor_pid} still alive after the stop"
             log.info("engine stopped", instance=self.iid, cause=record.cause if record else None)
+        self.handle = None
+        return None
 
     async def _shutdown(self) -> None:
-        await self._stop_engine()
+        while (failure := await self._stop_engine()) is not None:
+            self._set(reason=f"stop failed ({failure}); retrying in {STOP_RETRY_S:g}s")
+            await asyncio.sleep(STOP_RETRY_S)
         self._set(phase=InstancePhase.STOPPED, reason=self.stop_reason, pid=0)
 
 

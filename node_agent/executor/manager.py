@@ -84,8 +84,10 @@ class ExecutorManager:
         protections: Sequence[str],
         seconds_since_contact: Callable[[], float],
         chip_usage: ChipUsage | None = None,
+        fence_deadline_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
+        self.fence_deadline_s = fence_deadline_s
         self.protections = list(protections)
         self.seconds_since_contact = seconds_since_contact
         self.chip_usage = chip_usage  # simulated nodes: injected by the simulator's wiring
@@ -98,6 +100,7 @@ class ExecutorManager:
         self.note = ""
         self.note_until: float | None = None
         self.revision = 0
+        self.cluster_id = 0
         self.changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._chips_dirty = asyncio.Event()
@@ -106,11 +109,26 @@ class ExecutorManager:
 
     # ------------------------------------------------------------------------------------ inputs
 
-    def assign(self, msg: agent_pb2.Assignments) -> None:
-        """The node's full assignment set (from the replica)."""
-        if msg.revision < self.revision:
-            log.info("assignments from an older revision (another replica)", revision=msg.revision)
-        self.revision = msg.revision
+    def assign(self, msg: agent_pb2.Assignments) -> bool:
+        """The node's full assignment set (from the replica); False when it was ignored because it
+        is older than the newest applied, ordered by (etcd cluster id, revision). A new cluster id
+        (a restore from backup) resets the mark."""
+        if msg.cluster_id == self.cluster_id and msg.revision < self.revision:
+            log.warning(
+                "ignoring an assignment set older than the one applied (a lagging replica)",
+                revision=msg.revision,
+                applied_revision=self.revision,
+                cluster_id=f"{msg.cluster_id:x}",
+            )
+            return False
+        if self.cluster_id and msg.cluster_id != self.cluster_id:
+            log.warning(
+                "assignments from another etcd cluster id: the revision mark is reset",
+                old=f"{self.cluster_id:x}",
+                new=f"{msg.cluster_id:x}",
+                revision=msg.revision,
+            )
+        self.cluster_id, self.revision = msg.cluster_id, msg.revision
         self.desired = {a.instance_id: a for a in msg.items}
         if self.suspended:
             self.suspended = False
@@ -118,6 +136,7 @@ class ExecutorManager:
             log.info("assignments received again; resuming", instances=len(self.desired))
         self.received = True
         self._wake.set()
+        return True
 
     def instance_dir(self, instance_id: str) -> Path | None:
         """The dir of an instance on this node (for its logs), or None."""
@@ -231,7 +250,7 @@ class ExecutorManager:
     def _start_worker(
         self, a: agent_pb2.Assignment, handle: SupervisorHandle | None, saved: dict[str, Any] | None
     ) -> None:
-        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved)
+        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, self.fence_deadline_s)
         self.workers[a.instance_id] = w
         w.start()
         assert w.task is not None
@@ -241,8 +260,11 @@ class ExecutorManager:
         async def run() -> None:
             try:
                 await stopping
-                if remove_dir:
-                    await asyncio.to_thread(shutil.rmtree, self.ctx.instances_dir / iid, True)
+                d = self.ctx.instances_dir / iid
+                if remove_dir and await asyncio.to_thread(adopt, d) is not None:
+                    log.error("engine still alive after its stop; its folder is kept", instance=iid)
+                elif remove_dir:
+                    await asyncio.to_thread(shutil.rmtree, d, True)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -270,7 +292,7 @@ class ExecutorManager:
     async def _watchdog(self) -> None:
         limit = self.ctx.settings.disconnect_stop_s
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
+            await asyncio.sleep(min(0.25, limit / 4))
             since = self.seconds_since_contact()
             if self.suspended or since < limit:
                 continue

@@ -37,6 +37,7 @@ import structlog
 
 from kunlun_common.errors import KunlunError
 from kunlun_common.states import ExitCause, SupervisorStatus
+from node_agent.executor import devlock, fence, ledger
 from node_agent.executor.cgroups import InstanceCgroup, detect_layout
 from node_agent.executor.logfiles import LineSplitter, LogSettings, RotatingLineLog
 from node_agent.executor.sandbox import SandboxRequest, build_sandboxed_command
@@ -133,6 +134,48 @@ class _Supervisor:
         self.stopping_since: float | None = None
         self.killed = False
         self.grace_s = spec.stop_grace_s
+        self.stop_cause = ""
+        self.lock_fds: list[int] = []
+        self.started_mono = time.monotonic()
+        self.fence_checked = 0.0
+        state = Path(spec.agent_state_dir) if spec.agent_state_dir else None
+        self.ledger = ledger.ledger_path(state) if state else None
+        self.fence_file = state / fence.FENCE_FILE if state and spec.fence_deadline_s > 0 else None
+        self.lock_dir = state / devlock.LOCK_DIR if state else None
+
+    def fence_expired(self) -> str | None:
+        """Why the engine must not run (the agent's fence lease expired), or None."""
+        if self.fence_file is None:
+            return None
+        lease = fence.read(self.fence_file)
+        now = time.monotonic()
+        if lease is None:
+            if now - self.started_mono < self.spec.fence_deadline_s + fence.FENCE_SLACK_S:
+                return None
+            return f"fenced: no fence lease from the agent for {self.spec.fence_deadline_s:g}s"
+        if not lease.expired(now):
+            return None
+        return (
+            f"fenced: the agent confirmed no control-plane contact for {now - lease.renewed_mono:.1f}s "
+            f"(disconnect deadline {self.spec.fence_deadline_s:g}s)"
+        )
+
+    def lock_devices(self) -> None:
+        if self.lock_dir is not None and self.spec.devices:
+            self.lock_fds = devlock.acquire(
+                self.lock_dir, self.spec.devices, self.spec.instance_id, self.spec.device_wait_s
+            )
+
+    def record(self, kind: str, pid: int, cause: str, mono_ns: int | None = None) -> None:
+        if self.ledger is None:
+            return
+        entry = ledger.event(
+            kind, self.spec.node, self.spec.instance_id, self.spec.devices, pid, cause, mono_ns
+        )
+        try:
+            ledger.append(self.ledger, entry)
+        except (OSError, ValueError) as exc:
+            log.error("supervisor.ledger_write_failed", error=str(exc))
 
     def write_state(self, status: str, **extra: Any) -> None:
         self.state.update(extra, status=status, updated_at=time.time())
@@ -166,6 +209,7 @@ class _Supervisor:
                 os.setgid(switch_user.gid)
                 os.setuid(switch_user.uid)
 
+        spawned_ns = time.monotonic_ns()  # stamped before the spawn: the ledger interval covers it
         try:
             self.proc = subprocess.Popen(
                 cmd.argv,
@@ -182,6 +226,8 @@ class _Supervisor:
             if status_w is not None:
                 os.close(status_w)
         self.namespaced = cmd.namespaced
+        self.state["ledger_pid"] = self.proc.pid
+        self.record("start", self.proc.pid, "assigned", spawned_ns)
         log.info("supervisor.engine_started", pid=self.proc.pid, argv=list(cmd.argv[-len(spec.argv) :]))
         if not self.namespaced:
             self._set_engine(self.proc.pid)
@@ -213,7 +259,19 @@ class _Supervisor:
         except ProcessLookupError:
             pass
 
+    def _check_fence(self) -> None:
+        now = time.monotonic()
+        if self.stop_requested or now - self.fence_checked < fence.FENCE_CHECK_S:
+            return
+        self.fence_checked = now
+        why = self.fence_expired()
+        if why:
+            log.warning("supervisor.fenced", reason=why)
+            self.stop_cause = why
+            self.stop_requested = True
+
     def _check_stop(self) -> None:
+        self._check_fence()
         now = time.monotonic()
         if self.stop_requested and self.stopping_since is None:
             request = _read_json(self.dir / STOP_FILE) or {}
@@ -309,6 +367,7 @@ class _Supervisor:
             cause = ExitCause.OOM_KILLED
         elif self.stopping_since is not None:
             cause = ExitCause.STOPPED
+            message = message or self.stop_cause
         elif sig is not None:
             cause = ExitCause.SIGNALED
         else:
@@ -330,6 +389,10 @@ class _Supervisor:
                 self.cgroup.remove()
             except KunlunError as exc:
                 log.error("supervisor.cgroup_cleanup_failed", error=str(exc))
+        if self.proc is not None:  # stamped after the engine and its cgroup are gone
+            self.record("stop", self.proc.pid, f"{cause}: {message}" if message else str(cause))
+        devlock.release(self.lock_fds)
+        self.lock_fds = []
         self.write_state(SupervisorStatus.FAILED if cause == ExitCause.FAILED else SupervisorStatus.EXITED)
         return record
 
@@ -348,8 +411,18 @@ def run_supervisor(spec: SupervisorSpec) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # wakes the select loop through the wakeup fd
     sup.write_state(SupervisorStatus.STARTING)
+    why = sup.fence_expired()
+    if why:
+        log.error("supervisor.fenced_before_start", reason=why)
+        sup.finish(f"engine not started: {why}")
+        return 1
     try:
+        sup.lock_devices()
         status_fd = sup.start()
+    except TimeoutError as exc:
+        log.error("supervisor.devices_busy", error=str(exc))
+        sup.finish(f"engine not started: {exc}")
+        return 1
     except (KunlunError, OSError, subprocess.SubprocessError) as exc:
         log.error("supervisor.start_failed", error=str(exc))
         sup.finish(f"engine could not start: {exc}")

@@ -69,6 +69,18 @@ class SupervisorSpec:
     """Engine log rotation."""
     stop_grace_s: float = 30.0
     """Default time between SIGTERM and SIGKILL when stopping."""
+    node: str = ""
+    """Node name (for the engine ledger)."""
+    devices: tuple[str, ...] = ()
+    """`<node>/<type>:<index>` of the devices the engine holds: locked for its whole life."""
+    agent_state_dir: str = ""
+    """The agent's state dir: fence lease (`fence.json`), device locks and engine ledger live there;
+    empty: none of them (a supervisor started outside an agent, as in unit tests)."""
+    fence_deadline_s: float = 0.0
+    """Self-fencing: stop the engine once the agent's fence lease has expired (0: off). Used as
+    the deadline from the supervisor's own start while no lease file exists yet."""
+    device_wait_s: float = 10.0
+    """How long to wait for the device locks before giving up (the agent waits before launching)."""
 
     def effective_workdir(self) -> Path:
         """The engine's working directory."""
@@ -325,6 +337,18 @@ def _clean_up_after_lost_supervisor(handle: SupervisorHandle) -> None:
     engine, engine_start = state.get("engine_pid"), state.get("engine_start")
     if engine and engine_start and process_start_ticks(int(engine)) == engine_start:
         os.kill(int(engine), signal.SIGKILL)
+        _wait_until(lambda: process_start_ticks(int(engine)) != engine_start, 5.0)
+    pid = state.get("ledger_pid") or engine
+    if spec is not None and spec.agent_state_dir and pid:
+        from node_agent.executor import ledger
+
+        entry = ledger.event(
+            "stop", spec.node, spec.instance_id, spec.devices, int(pid), "supervisor lost; engine killed"
+        )
+        try:
+            ledger.append(ledger.ledger_path(Path(spec.agent_state_dir)), entry)
+        except (OSError, ValueError) as exc:
+            log.error("ledger write failed", error=str(exc))
     now = time.time()
     record = ExitRecord(ExitCause.STOPPED, None, None, None, None, "supervisor lost; engine killed", now, now)
     atomic_write_json(handle.instance_dir / EXIT_FILE, asdict(record))

@@ -74,6 +74,8 @@ class ServerSettings:
     """Completion length when the request sets no max_tokens."""
     seed: int | None = None
     """Seed of the error injection, for reproducible tests."""
+    ignore_sigterm_s: float = 0.0
+    """Keep serving this long after SIGTERM before stopping (a slow-to-stop engine, for tests)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest accepted request body."""
 
@@ -505,6 +507,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
     p.add_argument("--log-lines-per-second", type=float, default=0.0, help="stdout lines per second")
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--ignore-sigterm", type=float, default=0.0, help="seconds to keep serving after SIGTERM (slow stop)"
+    )
     args, unknown = p.parse_known_args(argv)
     if not 0.0 <= args.error_rate <= 1.0:
         p.error("--error-rate must be between 0 and 1")
@@ -521,6 +526,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
         log_lines_per_second=args.log_lines_per_second,
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
+        ignore_sigterm_s=max(0.0, args.ignore_sigterm),
     )
     return settings, unknown
 
@@ -534,6 +540,9 @@ async def serve(settings: ServerSettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     await engine.start()
     await stop.wait()
+    if settings.ignore_sigterm_s > 0:
+        log.info("test_engine.ignoring_sigterm", seconds=settings.ignore_sigterm_s)
+        await asyncio.sleep(settings.ignore_sigterm_s)
     log.info("test_engine.stopping")
     await engine.close()
 

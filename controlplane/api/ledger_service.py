@@ -1,0 +1,57 @@
+"""LedgerService: a node's engine ledger, read through its agent's NodeService (for operators).
+
+The ledger is node-local (`<agent state dir>/ledger/engines.jsonl`); this replica dials the node's
+advertised NodeService with its replica certificate and returns what the agent read.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from controlplane.api.auth import Ctx, abort
+from controlplane.api.rpc import Servicer, rpc
+from controlplane.feeds import Feeds
+from kunlun_common.api import agent_pb2, agent_pb2_grpc
+from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.names import valid_node_name
+from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
+
+MAX_TAIL = 100_000
+CALL_TIMEOUT_S = 10.0
+
+
+class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
+    SERVICE = "kunlun.v1.LedgerService"
+
+    def __init__(self, feeds: Feeds, material: TlsMaterial) -> None:
+        self.feeds = feeds
+        self.tls = material
+
+    @rpc
+    async def NodeEngines(
+        self, request: agent_pb2.EnginesRequest, context: Ctx, who: Identity
+    ) -> agent_pb2.EnginesResponse:
+        if not valid_node_name(request.node):
+            raise InvalidInput(
+                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')"
+            )
+        if not 0 <= request.tail <= MAX_TAIL:
+            raise InvalidInput(f"tail: expected 0..{MAX_TAIL}, found {request.tail}")
+        address = self.feeds.node_service(request.node)
+        if not address:
+            raise NotFoundError(
+                f"node {request.node} is unknown or does not serve its ledger (agent not registered)"
+            )
+        async with grpc.aio.secure_channel(
+            address,
+            channel_credentials(self.tls, server_role="agent"),
+            options=[("grpc.ssl_target_name_override", request.node)],
+        ) as ch:
+            try:
+                resp: agent_pb2.EnginesResponse = await agent_pb2_grpc.NodeServiceStub(ch).Engines(
+                    request, timeout=CALL_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as e:
+                retry = " (retry once the agent is back)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+                await abort(context, e.code(), f"node {request.node}: {e.details()}{retry}")
+        return resp
