@@ -11,11 +11,8 @@ from controlplane import keys
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
-<<<<<<< HEAD
-from controlplane.graph import load_nodes
-=======
 from controlplane.fencing import node_problems, registered_nodes
->>>>>>> main
+from controlplane.graph import load_nodes
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
