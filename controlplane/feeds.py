@@ -197,6 +197,7 @@ ROUTING = (
     keys.INSTANCE_STATUS,
     keys.GATEWAY_KEYS,
     keys.GATEWAY_POLICIES,
+    keys.REQUEST_ENDPOINTS,
 )
 """What the endpoint and gateway-config feeds are computed from (they wake on nothing else)."""
 

@@ -24,6 +24,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | gateways/<gateway>                 | replica for gateway   | GatewayInfo (proto JSON): name, address, pid, version, replica | gateway lease |
 | gateway-stats/<gateway>            | replica for gateway   | GatewayStats (proto JSON): the gateway's cumulative requests, errors, latency buckets per workload and version; written when changed, at most every 3 s | gateway lease |
 | instance-status/<instance id>      | replica for its agent | InstanceStatus + node (proto JSON), changes   | -                |
+| request-endpoints/<name>           | API (EndpointService) | RequestEndpoint (proto JSON): Request-as-a-Service definition, versioned | - |
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 | packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
@@ -67,6 +68,7 @@ GATEWAY_STATS = ROOT + "gateway-stats/"
 GATEWAY_KEYS = ROOT + "gateway-keys/"
 GATEWAY_POLICIES = ROOT + "gateway-policies/"
 GATEWAYS = ROOT + "gateways/"
+REQUEST_ENDPOINTS = ROOT + "request-endpoints/"
 PACKAGES = ROOT + "packages/"
 PACKAGE_TRUST = ROOT + "package-trust/"
 SCHEMA = 1
@@ -169,3 +171,7 @@ def gateway_policy(workload_name: str) -> str:
 
 def gateway(name: str) -> str:
     return GATEWAYS + name
+
+
+def request_endpoint(name: str) -> str:
+    return REQUEST_ENDPOINTS + name

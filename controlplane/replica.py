@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane import keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
+from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.ledger_service import LedgerService
 from controlplane.api.package_service import PackageService
@@ -205,7 +206,8 @@ class Replica:
             self.settings.package_store_dir,
             self.settings.package_store_quota_bytes,
         )
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc):
+        endpoint_svc = EndpointService(self.store)
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
@@ -214,6 +216,7 @@ class Replica:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollout, server)
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
         package_pb2_grpc.add_PackageServiceServicer_to_server(package, server)
+        gateway_pb2_grpc.add_EndpointServiceServicer_to_server(endpoint_svc, server)
         agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from gateway.endpoints import Compiled, compile_all
 from gateway.httpclient import HttpError, fetch
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Policy, make_policy
@@ -122,6 +123,7 @@ class Registry:
         self.revision = -1
         self.synced = False
         self.canary_weights: dict[str, int] = {}  # workload -> percent of requests to its canary
+        self.request_endpoints: dict[str, Compiled | str] = {}  # Request-as-a-Service (endpoints.py)
         self.stats = TrafficStats()  # per (workload, version): requests, errors, latency histogram
         self.metrics = GatewayMetrics()  # Prometheus counters (gateway/metrics.py)
         self._random = random.Random().random
@@ -160,6 +162,7 @@ class Registry:
         self.policies = {p.workload: p for p in cfg.policies}
         self.states = {s.name: s for s in cfg.workloads}
         self.canary_weights = {c.workload: c.weight_pct for c in cfg.canaries}
+        self.request_endpoints = compile_all(cfg.endpoints, self.request_endpoints)
         for name, wl in self.workloads.items():
             self._set_policy(wl, self.policies.get(name))
 

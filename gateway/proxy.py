@@ -26,6 +26,7 @@ from typing import Any, cast
 import httptools
 import structlog
 
+from gateway import endpoints
 from gateway.auth import ApiKeys
 from gateway.backends import Registry
 from gateway.exchange import Exchange
@@ -152,6 +153,10 @@ class Proxy:
             elif not self._refused(client, req, auth):
                 body = self._models() if path == b"/v1/models" else self.status()
                 client.reply(200, json.dumps(body, separators=(",", ":")).encode(), req.keep_alive)
+            return
+        if path.startswith(endpoints.PREFIX):
+            if not self._refused(client, req, auth):
+                endpoints.serve(self, client, req, path)
             return
         client.error(404, f"no route {path.decode('latin-1')}", req.keep_alive)
 

@@ -61,6 +61,10 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.PackageService/PushPackage": WRITERS,
     "/kunlun.v1.PackageService/ListPackages": (*READERS, "agent"),
     "/kunlun.v1.PackageService/DeletePackage": WRITERS,
+    "/kunlun.v1.EndpointService/PutEndpoint": WRITERS,
+    "/kunlun.v1.EndpointService/GetEndpoint": READERS,
+    "/kunlun.v1.EndpointService/ListEndpoints": READERS,
+    "/kunlun.v1.EndpointService/DeleteEndpoint": WRITERS,
 }
 
 

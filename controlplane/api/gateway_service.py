@@ -11,7 +11,8 @@ replica can), so a live idle gateway costs no etcd writes and a dead one disappe
 Heartbeats carry the gateway's cumulative traffic counters; the replica stores them (bound to the
 gateway's lease) when they changed, at most every STATS_MIN_INTERVAL_S per gateway, so the leader's
 rollout analysis sees the traffic of every gateway.
-WatchGatewayConfig pushes the valid key hashes, the policies and each workload's route state
+WatchGatewayConfig pushes the valid key hashes, the policies, the Request-as-a-Service endpoint
+definitions and each workload's route state
 (phase, ready count and why not ready, from this replica's watch-fed cache) whenever they change.
 """
 
@@ -26,7 +27,7 @@ from controlplane import keys
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds
-from controlplane.gateways import api_keys, policies
+from controlplane.gateways import api_keys, policies, request_endpoints
 from controlplane.rollout import live_rollout
 from controlplane.store import EtcdStore
 from controlplane.workloads import records
@@ -216,7 +217,9 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
             for r in self.feeds.rollouts().values()
             if live_rollout(r)
         ]
+        endpoints = [request_endpoints.decode(kv.value) for kv in cache.prefix(keys.REQUEST_ENDPOINTS)]
         return gateway_pb2.GatewayConfig(
+            endpoints=sorted(endpoints, key=lambda e: e.name),
             canaries=sorted(canaries, key=lambda c: c.workload),
             key_hashes=sorted(hashes),
             policies=sorted(routing, key=lambda p: p.workload),

@@ -15,6 +15,7 @@ from controlplane.cli import (
     cluster_cmd,
     declaration_cmd,
     device_cmd,
+    endpoint_cmd,
     gateway_cmd,
     model_cmd,
     node_cmd,
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
+    endpoint_cmd.register(sub, common)
     rollout_cmd.register(sub, common)
     scheduler_cmd.register(sub, common)
     telemetry_cmd.register(sub, common)

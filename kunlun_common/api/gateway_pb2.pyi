@@ -585,6 +585,7 @@ class GatewayConfig(_message.Message):
     WORKLOADS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     CANARIES_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     @_builtins.property
     def key_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -598,6 +599,10 @@ class GatewayConfig(_message.Message):
     def canaries(self) -> _containers.RepeatedCompositeFieldContainer[Global___CanaryWeight]:
         """Workloads in a rollout with a canary weight above 0."""
 
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestEndpoint]:
+        """Request-as-a-Service endpoints every gateway serves at /v1/endpoints/NAME."""
+
     def __init__(
         self,
         *,
@@ -606,11 +611,177 @@ class GatewayConfig(_message.Message):
         workloads: _abc.Iterable[Global___WorkloadRouteState] | None = ...,
         revision: _builtins.int = ...,
         canaries: _abc.Iterable[Global___CanaryWeight] | None = ...,
+        endpoints: _abc.Iterable[Global___RequestEndpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canaries", b"canaries", "key_hashes", b"key_hashes", "policies", b"policies", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canaries", b"canaries", "endpoints", b"endpoints", "key_hashes", b"key_hashes", "policies", b"policies", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GatewayConfig: _TypeAlias = GatewayConfig  # noqa: Y015
+
+@_typing.final
+class RequestEndpoint(_message.Message):
+    """Request-as-a-Service: a JSON API defined by JSON Schemas, served by a workload's engine.
+    Stored by the replicas under `request-endpoints/<name>`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WORKLOAD_FIELD_NUMBER: _builtins.int
+    INPUT_SCHEMA_JSON_FIELD_NUMBER: _builtins.int
+    OUTPUT_SCHEMA_JSON_FIELD_NUMBER: _builtins.int
+    PROMPT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    UPDATED_BY_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """DNS-label-like name, as for workloads: POST /v1/endpoints/<name>."""
+    workload: _builtins.str
+    """Workload whose engine answers (requests follow its routing and canary rollout)."""
+    input_schema_json: _builtins.str
+    """JSON Schema (text) the request body must satisfy (400 naming the failing JSON path otherwise)."""
+    output_schema_json: _builtins.str
+    """JSON Schema (text) of the answer; sent to the engine as response_format json_schema and
+    checked on the way back (502 naming the violation otherwise).
+    """
+    prompt_template: _builtins.str
+    """Prompt with {field} placeholders filled from the input; "" sends the input as JSON."""
+    version: _builtins.int
+    """1 on create, +1 on every replace."""
+    updated_by: _builtins.str
+    updated_at_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        workload: _builtins.str = ...,
+        input_schema_json: _builtins.str = ...,
+        output_schema_json: _builtins.str = ...,
+        prompt_template: _builtins.str = ...,
+        version: _builtins.int = ...,
+        updated_by: _builtins.str = ...,
+        updated_at_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input_schema_json", b"input_schema_json", "name", b"name", "output_schema_json", b"output_schema_json", "prompt_template", b"prompt_template", "updated_at_unix_ms", b"updated_at_unix_ms", "updated_by", b"updated_by", "version", b"version", "workload", b"workload"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestEndpoint: _TypeAlias = RequestEndpoint  # noqa: Y015
+
+@_typing.final
+class PutRequestEndpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def endpoint(self) -> Global___RequestEndpoint: ...
+    def __init__(
+        self,
+        *,
+        endpoint: Global___RequestEndpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutRequestEndpointRequest: _TypeAlias = PutRequestEndpointRequest  # noqa: Y015
+
+@_typing.final
+class GetRequestEndpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRequestEndpointRequest: _TypeAlias = GetRequestEndpointRequest  # noqa: Y015
+
+@_typing.final
+class ListRequestEndpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRequestEndpointsRequest: _TypeAlias = ListRequestEndpointsRequest  # noqa: Y015
+
+@_typing.final
+class ListRequestEndpointsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestEndpoint]: ...
+    def __init__(
+        self,
+        *,
+        endpoints: _abc.Iterable[Global___RequestEndpoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRequestEndpointsResponse: _TypeAlias = ListRequestEndpointsResponse  # noqa: Y015
+
+@_typing.final
+class DeleteRequestEndpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRequestEndpointRequest: _TypeAlias = DeleteRequestEndpointRequest  # noqa: Y015
+
+@_typing.final
+class DeleteRequestEndpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def endpoint(self) -> Global___RequestEndpoint: ...
+    def __init__(
+        self,
+        *,
+        endpoint: Global___RequestEndpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRequestEndpointResponse: _TypeAlias = DeleteRequestEndpointResponse  # noqa: Y015

@@ -25,6 +25,211 @@ if _version_not_supported:
     )
 
 
+class EndpointServiceStub:
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutEndpoint = channel.unary_unary(
+                '/kunlun.v1.EndpointService/PutEndpoint',
+                request_serializer=kunlun_dot_v1_dot_gateway__pb2.PutRequestEndpointRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.FromString,
+                _registered_method=True)
+        self.GetEndpoint = channel.unary_unary(
+                '/kunlun.v1.EndpointService/GetEndpoint',
+                request_serializer=kunlun_dot_v1_dot_gateway__pb2.GetRequestEndpointRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.FromString,
+                _registered_method=True)
+        self.ListEndpoints = channel.unary_unary(
+                '/kunlun.v1.EndpointService/ListEndpoints',
+                request_serializer=kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsResponse.FromString,
+                _registered_method=True)
+        self.DeleteEndpoint = channel.unary_unary(
+                '/kunlun.v1.EndpointService/DeleteEndpoint',
+                request_serializer=kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointResponse.FromString,
+                _registered_method=True)
+
+
+class EndpointServiceServicer:
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads).
+    """
+
+    def PutEndpoint(self, request, context):
+        """Creates or replaces (the version goes up by one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEndpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEndpoints(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteEndpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EndpointServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutEndpoint,
+                    request_deserializer=kunlun_dot_v1_dot_gateway__pb2.PutRequestEndpointRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.SerializeToString,
+            ),
+            'GetEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEndpoint,
+                    request_deserializer=kunlun_dot_v1_dot_gateway__pb2.GetRequestEndpointRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.SerializeToString,
+            ),
+            'ListEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEndpoints,
+                    request_deserializer=kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsResponse.SerializeToString,
+            ),
+            'DeleteEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteEndpoint,
+                    request_deserializer=kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kunlun.v1.EndpointService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kunlun.v1.EndpointService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EndpointService:
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads).
+    """
+
+    @staticmethod
+    def PutEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.EndpointService/PutEndpoint',
+            kunlun_dot_v1_dot_gateway__pb2.PutRequestEndpointRequest.SerializeToString,
+            kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.EndpointService/GetEndpoint',
+            kunlun_dot_v1_dot_gateway__pb2.GetRequestEndpointRequest.SerializeToString,
+            kunlun_dot_v1_dot_gateway__pb2.RequestEndpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.EndpointService/ListEndpoints',
+            kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsRequest.SerializeToString,
+            kunlun_dot_v1_dot_gateway__pb2.ListRequestEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.EndpointService/DeleteEndpoint',
+            kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointRequest.SerializeToString,
+            kunlun_dot_v1_dot_gateway__pb2.DeleteRequestEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class GatewayServiceStub:
     """Missing associated documentation comment in .proto file."""
 

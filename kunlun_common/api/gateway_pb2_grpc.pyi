@@ -29,6 +29,64 @@ class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ig
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
+class EndpointServiceStub:
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads)."""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> EndpointServiceAsyncStub: ...
+    PutEndpoint: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PutRequestEndpointRequest, _gateway_pb2.RequestEndpoint]
+    """Creates or replaces (the version goes up by one)."""
+    GetEndpoint: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetRequestEndpointRequest, _gateway_pb2.RequestEndpoint]
+    ListEndpoints: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRequestEndpointsRequest, _gateway_pb2.ListRequestEndpointsResponse]
+    DeleteEndpoint: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.DeleteRequestEndpointRequest, _gateway_pb2.DeleteRequestEndpointResponse]
+
+@_typing.type_check_only
+class EndpointServiceAsyncStub(EndpointServiceStub):
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads)."""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    PutEndpoint: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PutRequestEndpointRequest, _gateway_pb2.RequestEndpoint]  # type: ignore[assignment]
+    """Creates or replaces (the version goes up by one)."""
+    GetEndpoint: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetRequestEndpointRequest, _gateway_pb2.RequestEndpoint]  # type: ignore[assignment]
+    ListEndpoints: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRequestEndpointsRequest, _gateway_pb2.ListRequestEndpointsResponse]  # type: ignore[assignment]
+    DeleteEndpoint: _aio.UnaryUnaryMultiCallable[_gateway_pb2.DeleteRequestEndpointRequest, _gateway_pb2.DeleteRequestEndpointResponse]  # type: ignore[assignment]
+
+class EndpointServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Request-as-a-Service endpoint definitions (operators write, everyone with a role reads)."""
+
+    @_abc_1.abstractmethod
+    def PutEndpoint(
+        self,
+        request: _gateway_pb2.PutRequestEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RequestEndpoint, _abc.Awaitable[_gateway_pb2.RequestEndpoint]]:
+        """Creates or replaces (the version goes up by one)."""
+
+    @_abc_1.abstractmethod
+    def GetEndpoint(
+        self,
+        request: _gateway_pb2.GetRequestEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RequestEndpoint, _abc.Awaitable[_gateway_pb2.RequestEndpoint]]: ...
+
+    @_abc_1.abstractmethod
+    def ListEndpoints(
+        self,
+        request: _gateway_pb2.ListRequestEndpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListRequestEndpointsResponse, _abc.Awaitable[_gateway_pb2.ListRequestEndpointsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteEndpoint(
+        self,
+        request: _gateway_pb2.DeleteRequestEndpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.DeleteRequestEndpointResponse, _abc.Awaitable[_gateway_pb2.DeleteRequestEndpointResponse]]: ...
+
+def add_EndpointServiceServicer_to_server(servicer: EndpointServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
 class GatewayServiceStub:
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...

@@ -5,7 +5,9 @@ It is a test engine, not a model: completions are words echoed from the prompt. 
 `data: {...}\\n\\n` chunks then `data: [DONE]`), SGLang's native `/generate` and
 `/get_model_info`, with the response shapes the OpenAI Python SDK expects (id, object, created,
 model, choices, usage); and `/debug/env`: the names (never the values) of its environment
-variables, so tests can check the sandbox's environment allowlist.
+variables, so tests can check the sandbox's environment allowlist. Chat completions honour
+OpenAI-style `response_format` (`json_schema` / `json_object`): the content is JSON conforming to
+the schema, for the subset documented in schema_output.py (`--schema-violation`: on purpose not).
 
 Built directly on asyncio (an `asyncio.Protocol` per connection with the httptools parser, uvloop
 when installed) with keep-alive and pipelining, so the gateway benchmark can use it as a backend.
@@ -32,6 +34,8 @@ from typing import Any, cast
 
 import httptools
 import structlog
+
+from node_agent.testengine.schema_output import SchemaUnsupported, structured
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +82,8 @@ class ServerSettings:
     """Keep serving this long after SIGTERM before stopping (a slow-to-stop engine, for tests)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest accepted request body."""
+    schema_violation: bool = False
+    """Answer `response_format` json_schema requests with JSON that does NOT conform (for tests)."""
 
 
 def _dumps(obj: Any) -> bytes:
@@ -293,7 +299,13 @@ class KunlunTestEngine:
             return self._chat_stream(
                 {**head, "object": "chat.completion.chunk"}, n, pieces, reason, prompt, body
             )
-        message = {"role": "assistant", "content": "".join(pieces), "tool_calls": None}
+        content = "".join(pieces)
+        if "response_format" in body:
+            try:
+                content = structured(body["response_format"], _words(prompt), self.settings.schema_violation)
+            except SchemaUnsupported as e:
+                return _error(400, f"response_format: {e}")
+        message = {"role": "assistant", "content": content, "tool_calls": None}
         choices = [
             {"index": i, "message": message, "logprobs": None, "finish_reason": reason} for i in range(n)
         ]
@@ -508,6 +520,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
+        "--schema-violation",
+        action="store_true",
+        help="answer response_format json_schema requests with JSON that does not conform",
+    )
+    p.add_argument(
         "--ignore-sigterm", type=float, default=0.0, help="seconds to keep serving after SIGTERM (slow stop)"
     )
     args, unknown = p.parse_known_args(argv)
@@ -526,6 +543,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
         log_lines_per_second=args.log_lines_per_second,
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
+        schema_violation=args.schema_violation,
         ignore_sigterm_s=max(0.0, args.ignore_sigterm),
     )
     return settings, unknown

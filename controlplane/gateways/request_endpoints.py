@@ -1,0 +1,105 @@
+"""Request-as-a-Service endpoint definitions (`request-endpoints/<name>`): validated, versioned.
+
+An endpoint names a workload and two JSON Schemas (input, output) plus an optional prompt
+template; every gateway serves it at `/v1/endpoints/<name>` (gateway/endpoints.py). Validation
+here is the API boundary: the name follows the workload name rules, both schemas must be valid
+JSON Schema (checked against their metaschema) of bounded size, and the workload must exist.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from controlplane import keys
+from controlplane.store import EtcdStore
+from controlplane.workloads.spec import NAME_RE
+from kunlun_common.api import gateway_pb2
+from kunlun_common.clock import now_ms
+from kunlun_common.errors import InvalidInput, NotFoundError
+
+MAX_SCHEMA_BYTES = 64 * 1024
+"""Largest schema text: gateways validate every request against it on their event loop."""
+MAX_TEMPLATE_BYTES = 16 * 1024
+"""Largest prompt template."""
+
+
+def _schema_problem(field: str, text: str) -> str | None:
+    if not text:
+        return f'{field}: required (a JSON Schema, e.g. {{"type": "object"}})'
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        return f"{field}: {len(text.encode())} bytes, above the limit of {MAX_SCHEMA_BYTES}"
+    try:
+        schema: Any = json.loads(text)
+    except ValueError as e:
+        return f"{field}: not valid JSON ({e})"
+    if not isinstance(schema, (dict, bool)):
+        return f"{field}: a JSON Schema must be an object, found {type(schema).__name__}"
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return f"{field}: not a valid JSON Schema at {e.json_path}: {e.message}"
+    return None
+
+
+def problems(ep: gateway_pb2.RequestEndpoint) -> list[str]:
+    """What is wrong with a definition a caller sent, one line per field (the first is reported)."""
+    out = []
+    if not NAME_RE.match(ep.name):
+        out.append(f"name: {ep.name!r} is not a valid name (lower-case letters, digits, '-' and '.', 1-63)")
+    if not NAME_RE.match(ep.workload):
+        out.append(f"workload: {ep.workload!r} is not a valid workload name")
+    for field, text in (("input_schema", ep.input_schema_json), ("output_schema", ep.output_schema_json)):
+        why = _schema_problem(field, text)
+        if why:
+            out.append(why)
+    if len(ep.prompt_template.encode()) > MAX_TEMPLATE_BYTES:
+        out.append(f"prompt_template: above the limit of {MAX_TEMPLATE_BYTES} bytes")
+    return out
+
+
+async def put(store: EtcdStore, ep: gateway_pb2.RequestEndpoint, who: str) -> gateway_pb2.RequestEndpoint:
+    found = problems(ep)
+    if found:
+        raise InvalidInput(found[0])
+    if await store.get(keys.workload_name(ep.workload)) is None:
+        raise NotFoundError(
+            f"workload: {ep.workload!r} does not exist (submit it first: kunlun-cli workload submit)"
+        )
+    old = await get(store, ep.name, missing_ok=True)
+    rec = gateway_pb2.RequestEndpoint()
+    rec.CopyFrom(ep)
+    rec.version = (old.version if old is not None else 0) + 1
+    rec.updated_by = who
+    rec.updated_at_unix_ms = now_ms()
+    await store.put(keys.request_endpoint(ep.name), keys.encode_message(rec))
+    return rec
+
+
+async def get(store: EtcdStore, name: str, missing_ok: bool = False) -> gateway_pb2.RequestEndpoint | None:
+    kv = await store.get(keys.request_endpoint(name)) if NAME_RE.match(name) else None
+    if kv is None:
+        if missing_ok:
+            return None
+        raise NotFoundError(f"endpoint {name!r} not found (kunlun-cli endpoint list)")
+    return decode(kv.value)
+
+
+def decode(raw: bytes) -> gateway_pb2.RequestEndpoint:
+    ep = gateway_pb2.RequestEndpoint()
+    keys.decode_message(raw, ep)
+    return ep
+
+
+async def list_all(store: EtcdStore) -> list[gateway_pb2.RequestEndpoint]:
+    kvs, _ = await store.get_prefix(keys.REQUEST_ENDPOINTS)
+    return sorted((decode(kv.value) for kv in kvs), key=lambda e: e.name)
+
+
+async def delete(store: EtcdStore, name: str) -> gateway_pb2.RequestEndpoint:
+    ep = await get(store, name)
+    assert ep is not None
+    await store.delete(keys.request_endpoint(name))
+    return ep
