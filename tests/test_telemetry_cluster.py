@@ -197,7 +197,10 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             )
             return next((float(s["value"][1]) for s in r if s["metric"]["version"] == "baseline"), 0.0)
 
-        wait_for(lambda: baseline_rate() > 0, 30, "a baseline request rate for chat")
+        try:
+            wait_for(lambda: baseline_rate() > 0, 60, "a baseline request rate for chat")
+        except TimeoutError:
+            raise AssertionError(prometheus.query("kunlun_gateway_requests_total")) from None
         # every request answered (64 and more: the routing checks above) had its first byte timed
         wait_for(
             lambda: (
