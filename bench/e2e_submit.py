@@ -26,10 +26,11 @@ import grpc
 
 from bench.common import temp_cluster
 from bench.heartbeats import _EOF, SimAgent
+from controlplane import keys
 from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, workload_pb2, workload_pb2_grpc
-from kunlun_common.pki import issue, paths_for
+from kunlun_common.pki import etcd_client_paths, issue, paths_for
 from kunlun_common.states import InstancePhase
 from kunlun_common.tls import channel_credentials, load_tls
 
@@ -82,13 +83,13 @@ async def cas_rate(store: EtcdStore, n: int) -> float:
     fenced single-placement commit)."""
     t0 = time.perf_counter()
     for i in range(n):
-        k = f"/bench-cas/{i}"
+        k = f"{keys.ROOT}bench-cas/{i}"  # inside the replicas' etcd permission; no consumer reads it
         res = await store.txn(
             [Compare.absent(k), Compare.absent(k + "-i")], [PutOp(k, b"x"), PutOp(k + "-i", b"y")]
         )
         assert res.succeeded
     rate = n / (time.perf_counter() - t0)
-    await store.delete("/bench-cas/", prefix=True)
+    await store.delete(keys.ROOT + "bench-cas/", prefix=True)
     return rate
 
 
@@ -103,7 +104,7 @@ async def measure(
     cluster: LocalCluster, nodes: int, workloads: int, clients: int, within_s: float
 ) -> dict[str, Any]:
     eps = cluster.endpoints
-    p = paths_for(cluster.cert_dir, "replica", "replica-1")
+    p = etcd_client_paths(cluster.cert_dir)
     store = EtcdStore(StoreSettings(cluster.etcd.endpoints, str(p.ca), str(p.cert), str(p.key)))
     cas = await cas_rate(store, 300)
     print(f"raw CAS (compare + 2 puts, one at a time): {cas:.0f}/s", flush=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import structlog
 
 from controlplane import keys
-from controlplane.store import Compare, EtcdStore, GetOp, Op, PutOp, TxnResult
+from controlplane.store import Compare, EtcdStore, GetOp, Op, PutOp, Resync, TxnResult
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 
@@ -124,6 +124,7 @@ class Elector:
         self.fence: Fence | None = None
         self.leader_name: str = ""
         self._lease = 0
+        self._seen_revision = 0
         self._stopping = False
         self.changed = asyncio.Event()
         self.terms = 0  # leaderships this replica has won since it started (metrics)
@@ -140,19 +141,40 @@ class Elector:
                 if epoch:
                     await self._lead(epoch)
                 else:
-                    await asyncio.sleep(self.settings.retry_period_s)
+                    await self._wait_for_vacancy()
             except asyncio.CancelledError:
                 raise
             except KunlunError as e:
                 log.warning("election tick failed; retrying", error=str(e))
                 await asyncio.sleep(self.settings.retry_period_s)
 
+    async def _wait_for_vacancy(self) -> None:
+        """A follower waits until the leader key is deleted (a watch: a resigning or expired leader
+        is replaced at once, not on the next poll), or at most `retry_period_s` (the poll stays as
+        the fallback should the watch miss it)."""
+
+        async def deleted() -> None:
+            async for ev in self.store.watch_prefix(keys.LEADER, self._seen_revision + 1):
+                if isinstance(ev, Resync):
+                    if not any(kv.key == keys.LEADER for kv in ev.kvs):
+                        return
+                elif ev.kv.key == keys.LEADER and ev.kind == "delete":
+                    return
+
+        if not self._seen_revision:
+            await asyncio.sleep(self.settings.retry_period_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(deleted(), self.settings.retry_period_s)
+
     async def _campaign(self) -> int:
         """Become leader if the role is vacant; return the epoch (0 when someone else leads)."""
         current = await self.store.get(keys.LEADER)
         if current is not None:
             self._observe(keys.decode(current.value).get("name", ""))
+            self._seen_revision = current.mod_revision
             return 0
+        self._seen_revision = 0
         lease = await self.store.lease_grant(self.settings.ttl_s)
         value = keys.encode(
             {
@@ -172,6 +194,7 @@ class Elector:
             await self.store.lease_revoke(lease)
             if res.reads and res.reads[0]:
                 self._observe(keys.decode(res.reads[0][0].value).get("name", ""))
+                self._seen_revision = res.reads[0][0].mod_revision
             return 0
         self._lease = lease
         return res.revision

@@ -246,6 +246,96 @@ async def test_gateway_serves_what_the_control_plane_says(
         await conn.close()
 
 
+async def test_request_endpoint_defined_by_cli_is_served_by_the_gateway(
+    gcluster: GatewayCluster,
+    cli_config: Path,
+    store: EtcdStore,
+    chat: list[workload_pb2.Instance],
+    engines: list[Engine],
+    gw: GatewayProc,
+) -> None:
+    """Request-as-a-Service end to end: `endpoint create` validated at the API, stored, pushed to
+    the gateway, served with validation both ways; describe/list/delete; delete stops serving."""
+    await set_status(store, chat[0], "Running", engines[0].address)
+    d = gcluster.base / "raas"
+    d.mkdir(exist_ok=True)
+    ins = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    outs = {
+        "type": "object",
+        "properties": {"summary": {"type": "string", "maxLength": 20}},
+        "required": ["summary"],
+    }
+    (d / "in.json").write_text(json.dumps(ins))
+    (d / "out.json").write_text(json.dumps(outs))
+    (d / "bad.json").write_text(json.dumps({"type": "objekt"}))
+    (d / "prompt.txt").write_text("Summarize: {text}")
+    base_args = ["--input-schema", str(d / "in.json"), "--output-schema", str(d / "out.json")]
+
+    def cli_fails(*args: str) -> str:
+        r = subprocess.run(
+            [PY, "-m", "tests.test_gateway_support", "cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"KUNLUN_CONFIG": str(cli_config), "PATH": "/usr/bin:/bin"},
+        )
+        assert r.returncode != 0, r.stdout
+        return r.stderr
+
+    err = await asyncio.to_thread(cli_fails, "endpoint", "create", "sum", "--workload", "nope", *base_args)
+    assert "workload: 'nope' does not exist" in err, err
+    err = await asyncio.to_thread(
+        cli_fails, "endpoint", "create", "sum", "--workload", "chat",
+        "--input-schema", str(d / "bad.json"), "--output-schema", str(d / "out.json"),
+    )  # fmt: skip
+    assert "input_schema: not a valid JSON Schema" in err, err
+    err = await asyncio.to_thread(
+        cli_fails, "endpoint", "create", "Bad_Name", "--workload", "chat", *base_args
+    )
+    assert "name: 'Bad_Name' is not a valid name" in err, err
+
+    made = await asyncio.to_thread(
+        cli, cli_config, "endpoint", "create", "sum", "--workload", "chat", *base_args,
+        "--prompt-template", str(d / "prompt.txt"),
+    )  # fmt: skip
+    assert made["version"] == 1 and made["updated_by"] == "operator:admin" and made["input_schema"] == ins
+    again = await asyncio.to_thread(
+        cli, cli_config, "endpoint", "create", "sum", "--workload", "chat", *base_args
+    )
+    assert again["version"] == 2 and again["prompt_template"] == ""
+    listed = (await asyncio.to_thread(cli, cli_config, "endpoint", "list"))["items"]
+    assert [(e["name"], e["workload"], e["version"]) for e in listed] == [("sum", "chat", 2)]
+    described = await asyncio.to_thread(cli, cli_config, "endpoint", "describe", "sum")
+    assert described["output_schema"] == outs
+
+    created = await asyncio.to_thread(cli, cli_config, "gateway", "keys", "create", "raas")
+    gw.key = created["secret"]
+    conn = HttpConnection("127.0.0.1", gw.port)
+    try:
+
+        async def served() -> Any:
+            r = await post(conn, "/v1/endpoints/sum", b'{"text": "the quick brown fox"}', gw.headers())
+            return r if r.status == 200 else None
+
+        r = await until(served, 15, "the endpoint to reach the gateway and answer")
+        summary = r.json()["summary"]
+        assert isinstance(summary, str) and len(summary) <= 20, r.body
+        r = await post(conn, "/v1/endpoints/sum", b'{"text": 5}', gw.headers())
+        assert r.status == 400 and "$.text" in r.json()["error"]["message"], r.body
+
+        gone = await asyncio.to_thread(cli, cli_config, "endpoint", "delete", "sum")
+        assert gone["name"] == "sum"
+
+        async def not_found() -> bool:
+            r = await post(conn, "/v1/endpoints/sum", b'{"text": "x"}', gw.headers())
+            return r.status == 404
+
+        await until(not_found, 15, "the deleted endpoint to stop being served")
+    finally:
+        await conn.close()
+        await asyncio.to_thread(cli, cli_config, "gateway", "keys", "revoke", created["id"])
+
+
 async def test_gateway_fails_over_when_its_replica_dies(
     gcluster: GatewayCluster,
     cli_config: Path,

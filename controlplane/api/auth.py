@@ -38,7 +38,7 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.WorkloadService/CordonNode": WRITERS,
     "/kunlun.v1.WorkloadService/GetSchedulerConfig": READERS,
     "/kunlun.v1.WorkloadService/SetSchedulerConfig": WRITERS,
-    "/kunlun.v1.WorkloadService/Logs": READERS,
+    "/kunlun.v1.WorkloadService/Logs": WRITERS,  # engine output may hold secrets
     "/kunlun.v1.GatewayService/CreateApiKey": WRITERS,
     "/kunlun.v1.GatewayService/ListApiKeys": READERS,
     "/kunlun.v1.GatewayService/RevokeApiKey": WRITERS,

@@ -13,6 +13,7 @@ from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.fencing import node_problems, registered_nodes
 from controlplane.graph import load_nodes
+from controlplane.redact import workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
@@ -76,7 +77,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
             w = records.decode_workload(kv)
             ii = insts.get(w.id, [])
             out.append(
-                workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+                workload_pb2.WorkloadSummary(
+                    workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+                )
             )
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
         return workload_pb2.ListWorkloadsResponse(workloads=out)
@@ -87,7 +90,9 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.WorkloadSummary:
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
-        summary = workload_pb2.WorkloadSummary(workload=w, instances=ii, phase=records.workload_phase(w, ii))
+        summary = workload_pb2.WorkloadSummary(
+            workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+        )
         placed = [i for i in ii if i.phase in PLACED_PHASES and i.target_devices]
         if placed:
             # the devices' samples as the replicas last wrote them (coarse snapshots, every few seconds)
