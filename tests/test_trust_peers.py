@@ -156,3 +156,34 @@ async def test_node_service_answers_only_replicas(
     assert (outcome == "ok") == allowed, outcome
     if not allowed:
         assert outcome == "UNAVAILABLE"  # refused in the TLS handshake
+
+
+def test_certs_init_gives_each_server_its_own_host_names(tmp_path: Path) -> None:
+    import argparse
+
+    from cryptography import x509
+
+    from controlplane.cli.certs_cmd import certs_init
+
+    d = tmp_path / "certs"
+    args = argparse.Namespace(
+        dir=str(d),
+        nodes=None,
+        replicas=None,
+        hosts=None,
+        host=["replica-1=10.0.0.11,cp1.example"],
+        output="json",
+    )
+    assert certs_init(args) == 0
+    cert = x509.load_pem_x509_certificate(paths_for(d, "replica", "replica-1").cert.read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = [str(n.value) for n in sans]
+    assert names == ["10.0.0.11", "cp1.example", "replica-1"]
+    other = x509.load_pem_x509_certificate(paths_for(d, "replica", "replica-2").cert.read_bytes())
+    assert "127.0.0.1" in [
+        str(n.value) for n in other.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ]
+    viewer = x509.load_pem_x509_certificate(paths_for(d, "viewer", "viewer").cert.read_bytes())
+    assert [
+        str(n.value) for n in viewer.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ] == ["viewer"]
