@@ -193,12 +193,12 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
 
         def baseline_rate() -> float:
             r = prometheus.query(
-                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[2m]))'
+                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[5m]))'
             )
             return next((float(s["value"][1]) for s in r if s["metric"]["version"] == "baseline"), 0.0)
 
         try:
-            wait_for(lambda: baseline_rate() > 0, 60, "a baseline request rate for chat")
+            wait_for(lambda: baseline_rate() > 0, 90, "a baseline request rate for chat")
         except TimeoutError:
             raise AssertionError(prometheus.query("kunlun_gateway_requests_total")) from None
         # every request answered (64 and more: the routing checks above) had its first byte timed
