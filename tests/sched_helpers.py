@@ -98,10 +98,10 @@ def alloc_history(cluster: LocalCluster) -> list[AllocEvent]:
         s = _store(cluster)
         try:
             end = await s.revision()
-            await s.put("/kunlun-test/history-end", b"x")
+            await s.put(keys.ROOT + "test/history-end", b"x")  # inside the replicas' etcd permission
             out: list[AllocEvent] = []
             async with asyncio.timeout(60):
-                async for ev in s.watch_prefix("/kunlun", 1):
+                async for ev in s.watch_prefix(keys.ROOT, 1):
                     if not isinstance(ev, WatchEvent):
                         raise AssertionError("history was compacted; cannot check it whole")
                     if ev.kv.key.startswith(keys.ALLOC):
