@@ -197,6 +197,13 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             )
             return next((float(s["value"][1]) for s in r if s["metric"]["version"] == "baseline"), 0.0)
 
+        # a rate needs two samples of a series: once Prometheus holds the counters, more traffic
+        wait_for(
+            lambda: len(prometheus.query('kunlun_gateway_requests_total{workload="chat"}')) == 3,
+            60,
+            "chat's request counters scraped from all 3 gateways",
+        )
+        assert [chat(gateways[i % 3]) for i in range(30)] == [200] * 30
         try:
             wait_for(lambda: baseline_rate() > 0, 90, "a baseline request rate for chat")
         except TimeoutError:
