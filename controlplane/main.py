@@ -10,7 +10,7 @@ from typing import Any
 from controlplane.election import ElectionSettings
 from controlplane.settings import ReplicaSettings
 from kunlun_common.errors import ConfigError, KunlunError
-from kunlun_common.logs import setup_logging
+from kunlun_common.logs import log_json, setup_logging
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 
 
@@ -33,6 +33,11 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
     )
     p.add_argument("--log-level", help="debug, info, warning, error")
     p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="log lines as JSON or readable (default: JSON unless a tty)",
+    )
+    p.add_argument(
         "--package-store-dir", help="this replica's model package folder ({name}: the replica name)"
     )
     p.add_argument(
@@ -48,6 +53,7 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         ("cert_dir", "cert_dir"),
         ("node_lease_ttl", "node_lease_ttl_s"),
         ("log_level", "log_level"),
+        ("log_format", "log_format"),
         ("metrics_listen", "metrics_listen"),
         ("package_store_dir", "package_store_dir"),
         ("package_store_quota_bytes", "package_store_quota_bytes"),
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"kunlun-platform: {e}", file=sys.stderr)
         sys.exit(2)
-    setup_logging("kunlun-platform", settings.log_level)
+    setup_logging("kunlun-platform", settings.log_level, log_json(settings.log_format))
     from controlplane.replica import serve
 
     try:

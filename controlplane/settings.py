@@ -49,6 +49,9 @@ class ReplicaSettings:
     role `monitoring`); port 0 picks a free one; empty: no exporter."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    log_format: str = ""
+    """`json` (one JSON object a line, for production), `console` (readable), or empty: JSON unless
+    stderr is a terminal."""
     package_store_dir: str = ""
     """Folder of this replica's copies of model packages (`{name}` is replaced by the replica name);
     empty: this replica stores no packages (pushes go to replicas that do)."""
@@ -70,6 +73,8 @@ class ReplicaSettings:
                 )
         if self.node_lease_ttl_s < 3:
             raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
+        if self.log_format not in ("", "json", "console"):
+            raise ConfigError(f"log_format: expected json or console, found {self.log_format!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
 

@@ -20,7 +20,7 @@ from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings, split_host_port
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
-from kunlun_common.logs import setup_logging
+from kunlun_common.logs import log_json, setup_logging
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 
 log = structlog.get_logger("gateway")
@@ -224,6 +224,11 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
         "--metrics-listen", help="host:port of the Prometheus exporter (HTTPS, mTLS; port 0: free)"
     )
     p.add_argument("--log-level", help="debug, info, warning, error")
+    p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="log lines as JSON or readable (default: JSON unless a tty)",
+    )
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
     for flag, key in (
@@ -246,6 +251,7 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
         ("sglang_router", "sglang_router_url"),
         ("sglang_router_workload", "sglang_router_workload"),
         ("log_level", "log_level"),
+        ("log_format", "log_format"),
         ("metrics_listen", "metrics_listen"),
     ):
         if getattr(a, flag) is not None:
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"kunlun-gateway: {e}", file=sys.stderr)
         sys.exit(2)
-    setup_logging("kunlun-gateway", settings.log_level)
+    setup_logging("kunlun-gateway", settings.log_level, log_json(settings.log_format))
     try:
         import uvloop
 

@@ -82,6 +82,9 @@ class GatewaySettings:
     of role `monitoring`; needs cert_dir); port 0 picks a free one; empty: no exporter."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    log_format: str = ""
+    """`json` (one JSON object a line, for production), `console` (readable), or empty: JSON unless
+    stderr is a terminal."""
 
     def __post_init__(self) -> None:
         split_host_port(self.listen, "listen")
@@ -127,6 +130,8 @@ class GatewaySettings:
             raise ConfigError(f"retries: expected 0..3, found {self.retries}")
         if self.balance_factor < 1.0:
             raise ConfigError(f"balance_factor: expected at least 1.0, found {self.balance_factor}")
+        if self.log_format not in ("", "json", "console"):
+            raise ConfigError(f"log_format: expected json or console, found {self.log_format!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
 

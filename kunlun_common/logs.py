@@ -20,6 +20,11 @@ def _redact(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> Muta
     return event
 
 
+def log_json(log_format: str | None) -> bool | None:
+    """`--log-format`: json -> True, console -> False, unset -> None (JSON unless stderr is a tty)."""
+    return {"json": True, "console": False}.get(log_format or "")
+
+
 def setup_logging(component: str, level: str = "info", json: bool | None = None) -> None:
     """Configure structlog for a process; call once from main()."""
     use_json = (not sys.stderr.isatty()) if json is None else json

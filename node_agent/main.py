@@ -8,7 +8,7 @@ import os
 import sys
 
 from kunlun_common.errors import ConfigError
-from kunlun_common.logs import setup_logging
+from kunlun_common.logs import log_json, setup_logging
 from node_agent.settings import AgentSettings, ExecutorSettings
 
 SCHEDULER_NODE_GRACE_S = 30.0  # the scheduler's default node_not_ready_grace_seconds
@@ -108,7 +108,12 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         action="store_true",
         help="launch from a model package only when signed by a key in --trusted-keys",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        help="log lines as JSON or readable (default: JSON unless a tty)",
+    )
     a = p.parse_args(argv)
     endpoints = tuple(e.strip() for e in a.endpoints.split(",") if e.strip())
     if not endpoints:
@@ -178,7 +183,11 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
 def main(argv: list[str] | None = None) -> None:
     try:
         settings = build_settings(argv)
-        setup_logging("kunlun-agent")
+        fmt = argparse.ArgumentParser(add_help=False)
+        fmt.add_argument("--log-level", default="info")
+        fmt.add_argument("--log-format", default="")
+        known, _ = fmt.parse_known_args(argv)
+        setup_logging("kunlun-agent", known.log_level, log_json(known.log_format))
         if settings.executor.disconnect_stop_s >= SCHEDULER_NODE_GRACE_S:
             print(
                 f"kunlun-agent: warning: --disconnect-stop {settings.executor.disconnect_stop_s:g} is not below "

@@ -55,7 +55,7 @@ def scrape(address: str, ctx: ssl.SSLContext, timeout: float = 10.0) -> tuple[in
 class Prometheus:
     """A real Prometheus with deploy/monitoring's configuration, scraping a local cluster's targets."""
 
-    def __init__(self, base: Path, cert_dir: Path, interval_s: int = 1) -> None:
+    def __init__(self, base: Path, cert_dir: Path, interval_s: int = 3) -> None:
         self.base = base
         self.port = free_port()
         base.mkdir(parents=True, exist_ok=True)

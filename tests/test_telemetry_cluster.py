@@ -138,7 +138,7 @@ def chat(gateway: str) -> int:
 
 
 def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
-    prometheus: Prometheus, cluster: LocalCluster
+    prometheus: Prometheus, cluster: LocalCluster, cli_config: Path
 ) -> None:
     targets = json.loads((prometheus.base / "targets" / "kunlun.json").read_text())
     assert sorted(t["labels"]["job"] for t in targets) == ["agent"] * 2 + ["gateway"] * 3 + ["replica"] * 3
@@ -193,11 +193,21 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
 
         def baseline_rate() -> float:
             r = prometheus.query(
-                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[20s]))'
+                'sum by (version) (rate(kunlun_gateway_requests_total{workload="chat",status="200"}[5m]))'
             )
             return next((float(s["value"][1]) for s in r if s["metric"]["version"] == "baseline"), 0.0)
 
-        wait_for(lambda: baseline_rate() > 0, 30, "a baseline request rate for chat")
+        # a rate needs two samples of a series: once Prometheus holds the counters, more traffic
+        wait_for(
+            lambda: len(prometheus.query('kunlun_gateway_requests_total{workload="chat"}')) == 3,
+            60,
+            "chat's request counters scraped from all 3 gateways",
+        )
+        assert [chat(gateways[i % 3]) for i in range(30)] == [200] * 30
+        try:
+            wait_for(lambda: baseline_rate() > 0, 90, "a baseline request rate for chat")
+        except TimeoutError:
+            raise AssertionError(prometheus.query("kunlun_gateway_requests_total")) from None
         # every request answered (64 and more: the routing checks above) had its first byte timed
         wait_for(
             lambda: (
@@ -211,6 +221,18 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             ),
             30,
             "every request's time to first byte",
+        )
+        # the load balance figure: in `workload describe` and exported by the leader
+        lb = cli_json(cli_config, "workload", "describe", "chat")["load_balance"]
+        assert lb["devices"] == 1 and lb["stddev"] == 0 and lb["max_min"] == 0
+        assert (
+            "Load balance: utilization across 1 devices"
+            in cli(cli_config, "workload", "describe", "chat").stdout
+        )
+        wait_for(
+            lambda: prometheus.query('kunlun_workload_utilization_stddev_ratio{workload="chat"} == 0'),
+            30,
+            "chat's utilization spread exported",
         )
     finally:
         delete_all(cluster)

@@ -12,9 +12,11 @@ from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.fencing import node_problems, registered_nodes
+from controlplane.graph import load_nodes
 from controlplane.redact import workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.store import EtcdStore
+from controlplane.telemetry import PLACED_PHASES, spreads
 from controlplane.workloads import records
 from controlplane.workloads.dry_run import dry_run_plan
 from controlplane.workloads.package_checks import package_problems
@@ -88,9 +90,19 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.WorkloadSummary:
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
-        return workload_pb2.WorkloadSummary(
+        summary = workload_pb2.WorkloadSummary(
             workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
         )
+        placed = [i for i in ii if i.phase in PLACED_PHASES and i.target_devices]
+        if placed:
+            # the devices' samples as the replicas last wrote them (coarse snapshots, every few seconds)
+            spread = spreads(await load_nodes(self.store), placed)[0]
+            summary.load_balance.CopyFrom(
+                workload_pb2.LoadBalance(
+                    devices=spread.devices, mean=spread.mean, stddev=spread.stddev, max_min=spread.max_min
+                )
+            )
+        return summary
 
     @rpc
     async def ScaleWorkload(

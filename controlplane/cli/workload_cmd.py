@@ -194,6 +194,12 @@ def summary_json(s: workload_pb2.WorkloadSummary) -> dict[str, Any]:
             {"phase": h.phase, "at_unix_ms": h.at_unix_ms, "by": h.by, "reason": h.reason} for h in w.history
         ],
         "instance_details": [instance_json(i) for i in s.instances],
+        "load_balance": {
+            "devices": s.load_balance.devices,
+            "mean_utilization": round(s.load_balance.mean, 4),
+            "stddev": round(s.load_balance.stddev, 4),
+            "max_min": round(s.load_balance.max_min, 4),
+        },
     }
 
 
@@ -230,6 +236,12 @@ def describe(args: argparse.Namespace) -> int:
         f"Name:        {d['name']}\nID:          {d['id']}\nPhase:       {d['phase']}\nGeneration:  {d['generation']}"
     )
     print(f"Created by:  {d['created_by']}   updated by: {d['updated_by']}")
+    lb = d["load_balance"]
+    if lb["devices"]:
+        print(
+            f"Load balance: utilization across {lb['devices']} devices: mean {lb['mean_utilization'] * 100:.1f}%, "
+            f"std dev {lb['stddev'] * 100:.1f}%, max-min {lb['max_min'] * 100:.1f}%"
+        )
     print("Spec:")
     for k, v in d["spec"].items():
         if v not in ("", 0, [], {}, False):

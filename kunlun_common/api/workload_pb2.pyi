@@ -435,26 +435,63 @@ class WorkloadSummary(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
+    LOAD_BALANCE_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """Derived: "Pending", "Scheduled", "Running", "Degraded", "Deleting"."""
     @_builtins.property
     def workload(self) -> Global___Workload: ...
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___Instance]: ...
+    @_builtins.property
+    def load_balance(self) -> Global___LoadBalance:
+        """Utilization spread across the devices of its placed instances (GetWorkload only)."""
+
     def __init__(
         self,
         *,
         workload: Global___Workload | None = ...,
         instances: _abc.Iterable[Global___Instance] | None = ...,
         phase: _builtins.str = ...,
+        load_balance: Global___LoadBalance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load_balance", b"load_balance", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "phase", b"phase", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "load_balance", b"load_balance", "phase", b"phase", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkloadSummary: _TypeAlias = WorkloadSummary  # noqa: Y015
+
+@_typing.final
+class LoadBalance(_message.Message):
+    """The spread of utilization (0..1) across a workload's devices, from their latest samples."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICES_FIELD_NUMBER: _builtins.int
+    MEAN_FIELD_NUMBER: _builtins.int
+    STDDEV_FIELD_NUMBER: _builtins.int
+    MAX_MIN_FIELD_NUMBER: _builtins.int
+    devices: _builtins.int
+    mean: _builtins.float
+    stddev: _builtins.float
+    max_min: _builtins.float
+    """max - min"""
+    def __init__(
+        self,
+        *,
+        devices: _builtins.int = ...,
+        mean: _builtins.float = ...,
+        stddev: _builtins.float = ...,
+        max_min: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "max_min", b"max_min", "mean", b"mean", "stddev", b"stddev"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadBalance: _TypeAlias = LoadBalance  # noqa: Y015
 
 @_typing.final
 class ListWorkloadsResponse(_message.Message):
