@@ -17,7 +17,6 @@ same command twice changes nothing the second time.
 
 from __future__ import annotations
 
-import grp
 import json
 import os
 import pwd
@@ -468,57 +467,3 @@ def uninstall(paths: Paths, purge: bool) -> None:
             say("purge", f"removed {d}")
     else:
         say("keep", f"kept {paths.etc} and {paths.data} (use --purge to remove them)")
-
-
-def upgrade(paths: Paths, bundle: Bundle) -> str:
-    """Install the bundle's release beside the current one and switch to it; returns the old version."""
-    state = load_state(paths)
-    old = str(state.get("current") or "")
-    if not old:
-        raise InstallError("upgrade", "nothing installed here", "run kunlun-installer install first")
-    if old == bundle.version:
-        say("upgrade", f"version {old} is already current")
-        return old
-    problems = bundle.verify()
-    if problems:
-        raise InstallError(
-            "bundle", f"{len(problems)} file(s) differ: {problems[0]}", "copy the bundle again"
-        )
-    rel = build_release(paths, bundle, state)
-    roles = state.get("roles") or {}
-    assert isinstance(roles, dict)
-    for role in roles:
-        _, config_name = ROLES[role]
-        if role != "etcd":
-            check_config(rel, role, paths.etc / config_name)
-    render_units(paths, state, rel, sorted(roles), str(state.get("user", "kunlun")))
-    record_release(state, rel)
-    state["previous"], state["current"] = old, bundle.version
-    switch_current(paths, bundle.version)
-    save_state(paths, state)
-    say("upgrade", f"{old} -> {bundle.version}; restart the services one host at a time")
-    return old
-
-
-def rollback(paths: Paths) -> str:
-    """Switch back to the previous release (kept on disk); returns the version now current."""
-    state = load_state(paths)
-    prev, cur = str(state.get("previous") or ""), str(state.get("current") or "")
-    if not prev or not (paths.release(prev) / ".complete").exists():
-        raise InstallError("rollback", "no previous release on this host", "rollback works after an upgrade")
-    rel = paths.release(prev)
-    roles = state.get("roles") or {}
-    assert isinstance(roles, dict)
-    render_units(paths, state, rel, sorted(roles), str(state.get("user", "kunlun")))
-    state["previous"], state["current"] = cur, prev
-    switch_current(paths, prev)
-    save_state(paths, state)
-    say("rollback", f"{cur} -> {prev}")
-    return prev
-
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)

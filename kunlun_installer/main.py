@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from kunlun_installer import host
+from kunlun_installer import host, releases
 from kunlun_installer.bundle import Bundle
 from kunlun_installer.errors import InstallError
 from kunlun_installer.units import ROLES
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             if a.cmd == "upgrade":
                 bundle = _bundle(a, True)
                 assert bundle is not None
-                host.upgrade(paths, bundle)
+                releases.upgrade(paths, bundle)
             else:
-                host.rollback(paths)
+                releases.rollback(paths)
             if a.restart:
                 print(restart_services(paths))
         elif a.cmd == "uninstall":

@@ -24,7 +24,7 @@ import pytest
 from devcluster.procs import free_port, wait_for
 from kunlun_common.pki import ClusterCerts, init_cluster_certs
 from kunlun_installer import host
-from kunlun_installer.bundle import Bundle, build
+from kunlun_installer.bundle import Bundle, build, write_manifest
 from kunlun_installer.units import ROLES, command_line, parse_unit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,6 +287,56 @@ def test_run_mode_starts_the_units_command_line_and_stops_it(
     while time.monotonic() < deadline and answers(port):
         time.sleep(0.1)
     assert not answers(port), "the gateway is gone after the runner stopped"
+
+
+def test_upgrade_switches_release_and_rollback_returns(
+    installed: host.Paths, bundle_dir: Path, tmp_path: Path
+) -> None:
+    """Version N+1 (this tree with its version bumped) installs beside N; rollback returns to N."""
+    r = installer("rollback", paths=installed)
+    assert r.returncode == 2 and "no previous release" in r.stderr
+    repo = tmp_path / "repo"
+    skip = (
+        ".venv",
+        ".git",
+        "dist",
+        ".tools",
+        ".cache",
+        "*.egg-info",
+        "__pycache__",
+        ".mypy_cache",
+        ".kunlun*",
+    )
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(*skip))
+    pyproject = repo / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"', 1))
+    new = tmp_path / "kunlun-0.1.1"
+    shutil.copytree(bundle_dir, new)
+    for old in (new / "wheelhouse").glob("kunlun_platform-*.whl"):
+        old.unlink()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(new / "wheelhouse"),
+         str(repo)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    write_manifest(new, "0.1.1")
+    r = installer("upgrade", bundle=new, paths=installed)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.readlink(installed.prefix / "current") == "releases/0.1.1"
+    state = json.loads(installed.state_file.read_text())
+    assert (state["current"], state["previous"]) == ("0.1.1", "0.1.0")
+    version = subprocess.run(
+        [str(installed.prefix / "current/venv/bin/python"), "-c",
+         "import importlib.metadata as m; print(m.version('kunlun-platform'))"],
+        capture_output=True, text=True, cwd=tmp_path,  # not the checkout: its egg-info says 0.1.0
+    )  # fmt: skip
+    assert version.stdout.strip() == "0.1.1", version.stderr
+    assert installer("verify", paths=installed).returncode == 0
+    r = installer("rollback", paths=installed)
+    assert r.returncode == 0, r.stderr
+    assert os.readlink(installed.prefix / "current") == "releases/0.1.0"
+    assert (installed.prefix / "releases/0.1.1/venv").exists(), "the newer release stays for a roll-forward"
+    assert installer("verify", paths=installed).returncode == 0
 
 
 def test_uninstall_keeps_config_and_data_unless_purged(installed: host.Paths) -> None:
