@@ -45,7 +45,7 @@ def workload_for(who: Identity, w: workload_pb2.Workload) -> workload_pb2.Worklo
         return w
     out = workload_pb2.Workload()
     out.CopyFrom(w)
-    for k in out.spec.env:
+    for k in list(out.spec.env):  # a copy: setting values while iterating a map can skip keys
         out.spec.env[k] = REDACTED
     redacted = redact_args(list(out.spec.engine_args))
     del out.spec.engine_args[:]
