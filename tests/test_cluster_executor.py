@@ -515,8 +515,16 @@ def test_agent_cut_off_from_every_replica_stops_its_engines(cluster: LocalCluste
         wait_for(
             lambda: "no replica reachable" in nodes(cluster)["node-c"].note, 30, "the note after reconnect"
         )
-        back = running(cluster, "edge", timeout=30)
-        assert back.pid != edge.pid
+        # the status the agent wrote before the cut may still be read until it reports again:
+        # wait for a Running report from a new, live engine
+        wait_for(
+            lambda: (lambda i: i.phase == "Running" and i.pid != edge.pid and pid_alive(i.pid))(
+                instance(cluster, "edge")
+            ),
+            30,
+            "edge Running again on a new engine",
+            interval=0.1,
+        )
     finally:
         _safe(lambda: _delete(cluster, "edge"))
         wait_for(lambda: not engine_pids("edge"), 20, "edge's engine gone")
