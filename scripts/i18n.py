@@ -129,7 +129,7 @@ def update(path: Path, found: list[Found]) -> tuple[int, int]:
         e = old.pop((f.context, f.msgid), None)
         if e is None:
             added += 1
-            e = po.Entry(f.msgid, [""] if f.plural is None else [""], f.context, f.plural)
+            e = po.Entry(f.msgid, [""], f.context, f.plural)
         e.plural = f.plural
         e.comments = [c for c in e.comments if not c.startswith("#:")]
         e.comments += [f"#: {w}" for w in sorted(set(f.where))[:3]]
