@@ -15,7 +15,7 @@ EN = ROOT / "README.md"
 ZH = ROOT / "README.zh-CN.md"
 _FENCE = re.compile(r"^(```|~~~)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
-_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)  # inline code may wrap onto the next line
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 _LATIN_WORD = re.compile(r"[A-Za-z]{3,}")
 
@@ -26,8 +26,18 @@ class Section:
     title: str
     line: int
     blocks: list[str] = field(default_factory=list)
-    spans: set[str] = field(default_factory=set)
-    prose: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+    @property
+    def spans(self) -> set[str]:
+        """The inline code of the section (commands, flags, paths, fields), whitespace normalised."""
+        return {" ".join(m.group(2).split()) for m in _CODE_SPAN.finditer("\n".join(self.text))}
+
+    @property
+    def prose(self) -> str:
+        """The text without inline code and link targets."""
+        text = _CODE_SPAN.sub(" ", "\n".join(self.text))
+        return re.sub(r"\]\([^)]*\)", "]", text)
 
 
 def sections(path: Path) -> list[Section]:
@@ -49,11 +59,8 @@ def sections(path: Path) -> list[Section]:
         m = _HEADING.match(line)
         if m:
             out.append(Section(len(m.group(1)), m.group(2).strip(), n))
-        out[-1].spans |= {s.group(2).strip() for s in _CODE_SPAN.finditer(line)}
-        text = _CODE_SPAN.sub(" ", line)
-        text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets are addresses, not prose
-        if text.strip():
-            out[-1].prose.append(text)
+        else:
+            out[-1].text.append(line)
     assert block is None, f"{path.name}: a fenced code block is not closed"
     return out
 
@@ -97,11 +104,10 @@ def test_same_commands_and_flags_in_every_section(pair: list[tuple[Section, Sect
 
 def test_the_translation_is_chinese(pair: list[tuple[Section, Section]]) -> None:
     for en, zh in pair:
-        en_words = sum(len(_LATIN_WORD.findall(p)) for p in en.prose)
+        en_words = len(_LATIN_WORD.findall(en.prose))
         if en_words < 8:
             continue  # a heading with a code block and little prose
-        zh_text = "".join(zh.prose)
-        cjk = len(_CJK.findall(zh_text))
+        cjk = len(_CJK.findall(zh.prose))
         assert cjk >= en_words, (
             f"section {zh.title!r} (README.zh-CN.md:{zh.line}) reads as untranslated: {cjk} Chinese "
             f"characters for {en_words} English words in README.md"
