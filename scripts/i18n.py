@@ -23,7 +23,15 @@ from kunlun_common import po
 from kunlun_common.i18n import DOMAIN, PACKAGE_LOCALEDIR
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("controlplane", "node_agent", "gateway", "kunlun_common", "devcluster", "kunlun_installer", "chaos")
+PACKAGES = (
+    "controlplane",
+    "node_agent",
+    "gateway",
+    "kunlun_common",
+    "devcluster",
+    "kunlun_installer",
+    "chaos",
+)
 """Where the AST scan looks for marked strings."""
 SKIP = ("kunlun_common/i18n.py",)
 """Modules that define the marks (their calls pass values through, not texts)."""
@@ -160,7 +168,9 @@ def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else ""
     if cmd == "compile":
         written = compile_all()
-        print(f"i18n: compiled {len(written)} catalog(s): " + ", ".join(p.parent.parent.name for p in written))
+        print(
+            f"i18n: compiled {len(written)} catalog(s): " + ", ".join(p.parent.parent.name for p in written)
+        )
         return 0
     if cmd in ("update", "missing"):
         found, problems = extract()
@@ -174,7 +184,9 @@ def main(argv: list[str]) -> int:
             else:
                 for f in missing(path, found):
                     bad = True
-                    print(f"{path.parent.parent.name}: untranslated {f.context or ''} {f.msgid!r} ({f.where[0]})")
+                    print(
+                        f"{path.parent.parent.name}: untranslated {f.context or ''} {f.msgid!r} ({f.where[0]})"
+                    )
         return 1 if bad else 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -99,8 +99,8 @@ def status_text(code: grpc.StatusCode) -> str:
         grpc.StatusCode.ALREADY_EXISTS: _("already exists"),
         grpc.StatusCode.RESOURCE_EXHAUSTED: _("resource exhausted"),
         grpc.StatusCode.UNIMPLEMENTED: _("unimplemented"),
-        grpc.StatusCode.INTERNAL: _("internal error"),
-        grpc.StatusCode.UNKNOWN: _("unknown error"),
+        grpc.StatusCode.INTERNAL: _("internal"),
+        grpc.StatusCode.UNKNOWN: _("unknown"),
     }
     return words.get(code) or str(code.name).lower().replace("_", " ")
 

@@ -70,7 +70,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--trusted-key", action="append", default=[], help="a trusted public key (.pub), repeatable"
     )
-    v.add_argument("--trust-dir", help="folder of trusted *.pub (default: trusted-keys/ beside the client config)")
+    v.add_argument(
+        "--trust-dir", help="folder of trusted *.pub (default: trusted-keys/ beside the client config)"
+    )
     v.add_argument("--allow-unsigned", action="store_true", help="accept a package without manifest.sig")
     v.add_argument("--quiet", action="store_true", help="no progress on stderr")
     v.set_defaults(handler=model_verify)
