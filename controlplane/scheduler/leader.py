@@ -167,7 +167,9 @@ class SchedulerLoop:
         """Canary instances to create or remove so their count follows the rollout's weight."""
         want = canary_count(w, st.rollouts.get(w.id))
         units = [
-            create_instance(w, wkv, o, self.by, st.revision, CANARY) for o in range(want) if o not in {h[0] for h in have}
+            create_instance(w, wkv, o, self.by, st.revision, CANARY)
+            for o in range(want)
+            if o not in {h[0] for h in have}
         ]
         for ordinal, iid in have:
             if ordinal >= want:
