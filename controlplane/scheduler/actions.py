@@ -87,10 +87,24 @@ def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_T
     return batches
 
 
-def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, variant: str = "") -> Unit:
-    """A Pending instance; a canary (variant "canary") is `<workload id>-c<ordinal>`."""
+def instance_id(workload_id: str, ordinal: int, revision: int, variant: str = "") -> str:
+    """`<workload id>-<ordinal>-<revision>` (a canary: `-c<ordinal>-`), unique per incarnation.
+
+    `revision` is the etcd revision of the snapshot the decision was made from. An ordinal whose
+    instance was removed and is wanted again gets a new id, because the removal itself raised the
+    revision: the old instance's engine, possibly still stopping on a node cut off from the
+    cluster, and the new one are two instances, never "one instance running twice". Two leaders
+    deciding from the same snapshot name the same id, so `Compare.absent` still refuses the
+    second creation (fencing refuses the deposed one first)."""
+    return f"{workload_id}-{'c' if variant else ''}{ordinal}-{revision}"
+
+
+def create_instance(
+    w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, revision: int, variant: str = ""
+) -> Unit:
+    """A Pending instance named by `instance_id`."""
     inst = workload_pb2.Instance(
-        id=f"{w.id}-c{ordinal}" if variant else f"{w.id}-{ordinal}",
+        id=instance_id(w.id, ordinal, revision, variant),
         workload_id=w.id,
         workload=w.spec.name,
         ordinal=ordinal,
@@ -154,8 +168,12 @@ def place_instance(
     generation: int,
     allocs: dict[str, tuple[str, KV]] | None = None,
     reason: str = "",
+    spec: workload_pb2.WorkloadSpec | None = None,
 ) -> Unit:
-    """Place (or move, when `allocs` holds its old allocations): each new device must still be free."""
+    """Place (or move, when `allocs` holds its old allocations): each new device must still be free.
+
+    `spec`: the spec it is placed with, recorded on the instance (replicas cleared) so that it keeps
+    running it through later spec changes until a rolling update replaces it; None keeps its own."""
     old_cmps: list[Compare] = []
     old_ops: list[Op] = []
     if allocs is not None:
@@ -167,6 +185,9 @@ def place_instance(
     new.target_devices.extend(devices)
     new.unplaced_reasons.clear()
     new.generation = generation
+    if spec is not None:
+        new.spec.CopyFrom(spec)
+        new.spec.ClearField("replicas")
     event(new, InstancePhase.SCHEDULED, by, reason or f"placed on {', '.join(devices)}")
     alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
     return Unit(
@@ -181,6 +202,21 @@ def place_instance(
             *old_ops,
             *(PutOp(keys.alloc(d), alloc_value) for d in devices),
         ],
+    )
+
+
+def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: str) -> Unit:
+    """Take a serving instance out of routing (a rolling update); its engine runs until removal."""
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.retiring = True
+    new.reason = reason
+    new.history.append(workload_pb2.PhaseEvent(phase=new.phase, at_unix_ms=now_ms(), by=by, reason=reason))
+    del new.history[:-50]
+    return Unit(
+        f"retire {inst.id}",
+        [Compare.unchanged(kv.key, kv.mod_revision)],
+        [PutOp(kv.key, keys.encode_message(new))],
     )
 
 
