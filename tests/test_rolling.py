@@ -188,3 +188,6 @@ def test_a_spec_update_replaces_one_instance_at_a_time_not_all() -> None:
     created = workload_pb2.Instance()
     keys.decode_message(op.value, created)
     assert (created.ordinal, created.generation) == (0, 2)
+    # it lives beside the old instance of ordinal 0: its own slot, one per ordinal and generation
+    assert created.slot == keys.instance_slot("w-1", 0) + "/g2"
+    assert [o.key for o in units[0].ops] == [keys.instance(created.id), created.slot]

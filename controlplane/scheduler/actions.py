@@ -93,16 +93,25 @@ def instance_id(workload_id: str, ordinal: int, revision: int, variant: str = ""
     `revision` is the etcd revision of the snapshot the decision was made from. An ordinal whose
     instance was removed and is wanted again gets a new id, because the removal itself raised the
     revision: the old instance's engine, possibly still stopping on a node cut off from the
-    cluster, and the new one are two instances, never "one instance running twice". Two leaders
-    deciding from the same snapshot name the same id, so `Compare.absent` still refuses the
-    second creation (fencing refuses the deposed one first)."""
+    cluster, and the new one are two instances, never "one instance running twice". Since ids
+    differ between snapshots, the guard against two live instances of one ordinal (a tick deciding
+    from a snapshot that missed its own last creation) is the ordinal's slot key: creation needs it
+    absent and writes it, removal deletes it (`keys.instance_slot`)."""
     return f"{workload_id}-{'c' if variant else ''}{ordinal}-{revision}"
 
 
 def create_instance(
-    w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, revision: int, variant: str = ""
+    w: workload_pb2.Workload,
+    w_kv: KV,
+    ordinal: int,
+    by: str,
+    revision: int,
+    variant: str = "",
+    successor: bool = False,
 ) -> Unit:
-    """A Pending instance named by `instance_id`."""
+    """A Pending instance named by `instance_id`. A `successor` (rolling update) lives beside the old
+    instance of its ordinal: it holds the ordinal's slot for its generation (`.../<n>/g<generation>`),
+    so one successor per ordinal and generation, whatever snapshot a tick decided from."""
     inst = workload_pb2.Instance(
         id=instance_id(w.id, ordinal, revision, variant),
         workload_id=w.id,
@@ -113,9 +122,16 @@ def create_instance(
         generation=w.generation,
         variant=variant,
     )
+    slot = keys.instance_slot(w.id, ordinal, variant)
+    if successor:
+        slot = inst.slot = f"{slot}/g{w.generation}"
     event(inst, InstancePhase.PENDING, by, "waiting for placement")
     key = keys.instance(inst.id)
-    return Unit(f"create {inst.id}", [Compare.absent(key)], [PutOp(key, keys.encode_message(inst))])
+    return Unit(
+        f"create {inst.id}",
+        [Compare.absent(key), Compare.absent(slot)],
+        [PutOp(key, keys.encode_message(inst)), PutOp(slot, keys.encode({"instance": inst.id}))],
+    )
 
 
 def _free_allocs(
@@ -136,7 +152,12 @@ def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple
     return Unit(
         f"remove {inst.id}",
         [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
-        [DeleteOp(kv.key), DeleteOp(keys.instance_status(inst.id)), *ops],
+        [
+            DeleteOp(kv.key),
+            DeleteOp(keys.instance_status(inst.id)),
+            DeleteOp(inst.slot or keys.instance_slot(inst.workload_id, inst.ordinal, inst.variant)),
+            *ops,
+        ],
     )
 
 

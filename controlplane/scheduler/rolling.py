@@ -272,7 +272,7 @@ def rolling_units(
         w.spec.replicas, w.generation, members_of(w, insts, statuses), RollPolicy.of(w.spec), drained
     )
     records = {inst.id: (inst, kv) for inst, kv in own}
-    units: list[Unit] = [create_instance(w, w_kv, o, by, revision) for o in d.create]
+    units: list[Unit] = [create_instance(w, w_kv, o, by, revision, successor=True) for o in d.create]
     for iid in d.retire:
         inst, kv = records[iid]
         units.append(retire_instance(inst, kv, by, f"Retiring: replaced by generation {w.generation}"))

@@ -305,6 +305,7 @@ class Instance(_message.Message):
     VARIANT_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     RETIRING_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     workload_id: _builtins.str
     workload: _builtins.str
@@ -331,6 +332,11 @@ class Instance(_message.Message):
     retiring: _builtins.bool
     """Set by the scheduler when a rolling update takes this instance out of service: gateways stop
     routing to it at once, and it is removed (its engine stopped) after the drain period.
+    """
+    slot: _builtins.str
+    """The instance-slots key this incarnation holds (controlplane/keys.py); empty: its ordinal's
+    (`instance-slots/<workload id>/<ordinal>`). A rolling update's successor, alive beside the old
+    instance of its ordinal, holds `.../<ordinal>/g<generation>`.
     """
     @_builtins.property
     def target_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -384,10 +390,11 @@ class Instance(_message.Message):
         variant: _builtins.str = ...,
         spec: Global___WorkloadSpec | None = ...,
         retiring: _builtins.bool = ...,
+        slot: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "retiring", b"retiring", "seq", b"seq", "spec", b"spec", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "retiring", b"retiring", "seq", b"seq", "slot", b"slot", "spec", b"spec", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
