@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.store.backup import creation_batches
 from controlplane.store.backup_file import (
     BackupFileError,
     BackupHeader,
@@ -106,3 +107,17 @@ def test_records_are_checked_even_with_a_matching_checksum(tmp_path: Path) -> No
     assert "appears twice" in _refused(path)
     write_backup(path, header(keys=7), RECORDS)
     assert "header.keys: says 7 keys, the file holds 3" in _refused(path)
+
+
+def test_restore_keeps_the_order_and_ties_of_creation() -> None:
+    """One transaction per original create revision, in order (split at etcd's 128 operations)."""
+    recs = [
+        Record("/kunlun/v1/workloads/b", b"", 30, 30, 1),
+        Record("/kunlun/v1/workloads/a", b"", 50, 50, 1),
+        Record("/kunlun/v1/instances/b-0", b"", 30, 31, 2),
+        *(Record(f"/kunlun/v1/alloc/n/x:{i:03d}", b"", 40, 40, 1) for i in range(130)),
+    ]
+    batches = creation_batches(recs)
+    assert [b[0].create_revision for b in batches] == [30, 40, 40, 50]
+    assert [len(b) for b in batches] == [2, 128, 2, 1]
+    assert {r.key for r in batches[0]} == {"/kunlun/v1/workloads/b", "/kunlun/v1/instances/b-0"}

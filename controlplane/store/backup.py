@@ -16,6 +16,10 @@ replicas write new liveness keys; node readiness and instance placement are re-e
 the new leader's loops (graces count from the new term, so instances whose agents come back in
 time stay where they are, the others are placed again).
 
+Order: keys are written in the order of their original create revisions, one transaction per
+original revision, so create-revision order and ties survive (the scheduler's queue orders
+workloads by theirs); the revisions themselves are new.
+
 Revisions: a fresh cluster starts its revisions at 1, behind the backup's. Agents order assignment
 sets by (etcd cluster id, revision), and a new cluster id resets that order; a fresh cluster that
 would have the backed-up cluster's id (same member names, peer URLs and cluster token) is refused.
@@ -207,6 +211,20 @@ async def _wipe(ch: grpc.aio.Channel, policy: RestorePolicy, request_s: float) -
     await kv.DeleteRange(rpc.DeleteRangeRequest(key=policy.prefix.encode(), range_end=end), timeout=request_s)
 
 
+def creation_batches(records: list[Record]) -> list[list[Record]]:
+    """The keys in the order they were created, one transaction per original create revision (split
+    at MAX_TXN_OPS): the restored keys' create revisions keep their old order and ties, which the
+    scheduler's queue order (a workload's create revision) relies on."""
+    batches: list[list[Record]] = []
+    last = -1
+    for r in sorted(records, key=lambda r: (r.create_revision, r.key)):
+        if r.create_revision != last or len(batches[-1]) >= MAX_TXN_OPS:
+            batches.append([])
+            last = r.create_revision
+        batches[-1].append(r)
+    return batches
+
+
 def restorable(records: list[Record], policy: RestorePolicy) -> list[Record]:
     return [r for r in records if not r.key.startswith(policy.never)]
 
@@ -255,8 +273,7 @@ async def restore_backup(
             await _wipe(ch, policy, ep_timeout)
         kv = rpc.KVStub(ch)
         done = 0
-        for i in range(0, len(todo), MAX_TXN_OPS):
-            batch = todo[i : i + MAX_TXN_OPS]
+        for batch in creation_batches(todo):
             ops = [
                 rpc.RequestOp(request_put=rpc.PutRequest(key=r.key.encode(), value=r.value)) for r in batch
             ]
