@@ -20,7 +20,7 @@ from pathlib import Path
 
 from devcluster.procs import ManagedProcess, free_port
 from kunlun_common.errors import ConfigError
-from kunlun_common.pki import ETCD_CA, ETCD_PEER_NAME, bundle, paths_for
+from kunlun_common.pki import ETCD_CA, ETCD_CRL, ETCD_PEER_NAME, bundle, paths_for
 
 
 @dataclass
@@ -118,6 +118,7 @@ def member_argv(
         "--experimental-watch-progress-notify-interval=5s",
         f"--heartbeat-interval={heartbeat_ms}",
         f"--election-timeout={election_ms}",
+        *([f"--client-crl-file={cert_dir / ETCD_CRL}"] if (cert_dir / ETCD_CRL).exists() else []),
         "--logger=zap",
         "--log-level=warn",
     ]
