@@ -28,6 +28,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 | packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
+| package-policy                     | API (PackageService)  | {"schema", "require_signed_packages", "by", "at_ms"} (controlplane/package_policy.py) | - |
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction
 that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
@@ -71,6 +72,7 @@ GATEWAYS = ROOT + "gateways/"
 REQUEST_ENDPOINTS = ROOT + "request-endpoints/"
 PACKAGES = ROOT + "packages/"
 PACKAGE_TRUST = ROOT + "package-trust/"
+PACKAGE_POLICY = ROOT + "package-policy"
 SCHEMA = 1
 
 

@@ -202,12 +202,13 @@ class Replica:
         telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
         package = PackageService(
             self.store,
+            self.feeds,
             self.settings.name,
             self.settings.package_store_dir,
             self.settings.package_store_quota_bytes,
         )
         endpoint_svc = EndpointService(self.store)
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc):
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc, package):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
