@@ -215,6 +215,7 @@ class Replica:
         telemetry_svc = TelemetryService(self.store, self.sessions, self.settings.name)
         package = PackageService(
             self.store,
+            self.feeds,
             self.settings.name,
             self.settings.package_store_dir,
             self.settings.package_store_quota_bytes,
@@ -224,7 +225,17 @@ class Replica:
             self.store, self.tls, self.settings.etcd_endpoints, self.settings.etcd_cert_paths()
         )
         ledger = LedgerService(self.feeds, self.tls)
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc, security):
+        for svc in (
+            cluster,
+            agent,
+            workload,
+            gateway,
+            rollout,
+            telemetry_svc,
+            endpoint_svc,
+            security,
+            package,
+        ):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
         for guarded in (
             cluster,

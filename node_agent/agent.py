@@ -21,6 +21,8 @@ from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
 from node_agent.executor.manager import ExecutorManager
+from node_agent.executor.package_cache import PackageCache
+from node_agent.executor.package_pull import PackagePuller, PullSettings
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
 from node_agent.executor.sandbox import (
@@ -102,6 +104,17 @@ class Agent:
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.protections = detect_protections()
         require_protections(self.protections, settings.executor.allow_unsandboxed)
+        ex = settings.executor
+        package_cache = PackageCache(
+            root=state_dir.resolve() / "packages",
+            limit_bytes=ex.package_cache_mb * 2**20,
+            puller=PackagePuller(
+                settings.endpoints, self.tls, PullSettings(rate_bytes_s=ex.package_pull_rate_mb_s * 2**20)
+            ),
+            in_use=lambda: self.executor.packages_in_use(),
+            require_signed=ex.require_signed_packages,
+            trusted_keys_dir=ex.trusted_keys_dir,
+        )
         ctx = NodeContext(
             node=self.config.node_name,
             address=self.config.address,
@@ -114,6 +127,7 @@ class Agent:
             or self.protections.cgroup_cpu,
             devices=self.devices.devices,
             plugin=self.devices.plugin,
+            package_cache=package_cache,
         )
         self.executor = ExecutorManager(
             ctx,
