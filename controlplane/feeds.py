@@ -24,6 +24,9 @@ from controlplane.store import KV, EtcdStore
 from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
 from kunlun_common.states import PLACED, InstancePhase
 
+NODE_PENDING_REASONS = ("waiting for device", "pulling package", "verifying package")
+"""What a node says while it prepares an instance that the instance shows (else: Scheduled's reason)."""
+
 
 def decode_status(raw: bytes) -> tuple[str, agent_pb2.InstanceStatus]:
     """(node, status) from an instance-status record."""
@@ -48,8 +51,8 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
-    elif st.phase == InstancePhase.PENDING and st.reason.startswith("waiting for device"):
-        inst.reason = st.reason  # the node waits for an earlier engine to release a device
+    elif st.phase == InstancePhase.PENDING and st.reason.startswith(NODE_PENDING_REASONS):
+        inst.reason = st.reason  # the node waits for a device, or pulls/verifies the model package
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts
@@ -232,9 +235,12 @@ class Feeds:
         w: workload_pb2.Workload,
         rollouts: Mapping[str, rollout_pb2.Rollout],
     ) -> workload_pb2.WorkloadSpec:
-        """The spec an instance runs: its workload's, or the rollout's canary spec for a canary."""
+        """The spec an instance runs: the rollout's canary spec for a canary; else the spec it was
+        placed with (kept through a rolling update until it is replaced), or its workload's."""
         r = rollouts.get(w.id)
-        return canary_spec(w, r) if inst.variant == CANARY and r is not None else w.spec
+        if inst.variant == CANARY and r is not None:
+            return canary_spec(w, r)
+        return inst.spec if inst.HasField("spec") else w.spec
 
     def instances(self) -> list[workload_pb2.Instance]:
         """Every instance with what its node observed put on it (copies: the caller may modify)."""
@@ -277,7 +283,13 @@ class Feeds:
         eps = []
         for inst in self.instances():
             w = idx.workloads.get(inst.workload_id)
-            if inst.phase == InstancePhase.RUNNING and inst.endpoint and w is not None and not w.deleting:
+            if (
+                inst.phase == InstancePhase.RUNNING
+                and inst.endpoint
+                and not inst.retiring  # a rolling update drains it before its engine stops
+                and w is not None
+                and not w.deleting
+            ):
                 eps.append(
                     workload_pb2.Endpoint(
                         instance_id=inst.id,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from kunlun_common import tls
+from kunlun_common import revocation, tls
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
@@ -21,6 +21,8 @@ from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
 from node_agent.executor.hardening import plan_hardening, protect_key_folder, with_engine_user
 from node_agent.executor.manager import ExecutorManager
+from node_agent.executor.package_cache import PackageCache
+from node_agent.executor.package_pull import PackagePuller, PullSettings
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
 from node_agent.executor.sandbox import (
@@ -104,6 +106,17 @@ class Agent:
         self.hardening = plan_hardening(
             settings.executor, self.protections, (settings.cert_dir, str(self.state_dir))
         )
+        ex = settings.executor
+        package_cache = PackageCache(
+            root=state_dir.resolve() / "packages",
+            limit_bytes=ex.package_cache_mb * 2**20,
+            puller=PackagePuller(
+                settings.endpoints, self.tls, PullSettings(rate_bytes_s=ex.package_pull_rate_mb_s * 2**20)
+            ),
+            in_use=lambda: self.executor.packages_in_use(),
+            require_signed=ex.require_signed_packages,
+            trusted_keys_dir=ex.trusted_keys_dir,
+        )
         ctx = NodeContext(
             node=self.config.node_name,
             address=self.config.address,
@@ -116,6 +129,7 @@ class Agent:
             or self.protections.cgroup_cpu,
             devices=self.devices.devices,
             plugin=self.devices.plugin,
+            package_cache=package_cache,
         )
         self.executor = ExecutorManager(
             ctx,
@@ -124,10 +138,14 @@ class Agent:
             simulated.chip_usage if simulated is not None else None,
             fence_deadline_s=settings.executor.disconnect_stop_s,
         )
+        self.revoked = revocation.RevokedSerials()
         self.node_service = NodeServiceServer(
             self.tls,
             NodeServiceServicer(
-                self.config.node_name, self.executor.instance_dir, ledger.ledger_path(self.state_dir)
+                self.config.node_name,
+                self.executor.instance_dir,
+                ledger.ledger_path(self.state_dir),
+                revoked=self.revoked,
             ),
         )
         self.node_service_address = ""
@@ -210,7 +228,9 @@ class Agent:
             lambda: [w.status for w in self.executor.workers.values()],
             lambda: bool(self.link.connected_to),
         )
-        self.metrics = MetricsServer(self.settings.metrics_listen, self.tls, m.registry, m.prepare)
+        self.metrics = MetricsServer(
+            self.settings.metrics_listen, self.tls, m.registry, m.prepare, revoked=self.revoked
+        )
         self.metrics_address = await self.metrics.start()
 
     async def run(self) -> None:
@@ -250,6 +270,9 @@ class Agent:
             asyncio.create_task(self.link.run(), name="link"),
             asyncio.create_task(self._sample_loop(), name="sampler"),
             asyncio.create_task(self._renew_fence(), name="fence"),
+            asyncio.create_task(
+                revocation.follow(self.settings.endpoints, lambda: self.tls, self.revoked), name="revocations"
+            ),
         ]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

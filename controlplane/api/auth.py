@@ -61,10 +61,19 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.PackageService/PushPackage": WRITERS,
     "/kunlun.v1.PackageService/ListPackages": (*READERS, "agent"),
     "/kunlun.v1.PackageService/DeletePackage": WRITERS,
+    # agents: only packages their node's assignments name (controlplane/package_pull.py)
+    "/kunlun.v1.PackageService/PullPackage": ("operator", "replica", "agent"),
+    "/kunlun.v1.PackageService/GetPackagePolicy": (*READERS, "agent"),
+    "/kunlun.v1.PackageService/SetPackagePolicy": WRITERS,
     "/kunlun.v1.EndpointService/PutEndpoint": WRITERS,
     "/kunlun.v1.EndpointService/GetEndpoint": READERS,
     "/kunlun.v1.EndpointService/ListEndpoints": READERS,
     "/kunlun.v1.EndpointService/DeleteEndpoint": WRITERS,
+    "/kunlun.v1.SecurityService/ListAudit": READERS,
+    "/kunlun.v1.SecurityService/ListCertificates": READERS,
+    "/kunlun.v1.SecurityService/RevokeCertificate": WRITERS,
+    # agents and gateways fetch the list to refuse revoked replicas and scrapers themselves
+    "/kunlun.v1.SecurityService/ListRevocations": (*READERS, "agent", "gateway"),
 }
 
 

@@ -87,10 +87,33 @@ def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_T
     return batches
 
 
-def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, variant: str = "") -> Unit:
-    """A Pending instance; a canary (variant "canary") is `<workload id>-c<ordinal>`."""
+def instance_id(workload_id: str, ordinal: int, revision: int, variant: str = "") -> str:
+    """`<workload id>-<ordinal>-<revision>` (a canary: `-c<ordinal>-`), unique per incarnation.
+
+    `revision` is the etcd revision of the snapshot the decision was made from. An ordinal whose
+    instance was removed and is wanted again gets a new id, because the removal itself raised the
+    revision: the old instance's engine, possibly still stopping on a node cut off from the
+    cluster, and the new one are two instances, never "one instance running twice". Since ids
+    differ between snapshots, the guard against two live instances of one ordinal (a tick deciding
+    from a snapshot that missed its own last creation) is the ordinal's slot key: creation needs it
+    absent and writes it, removal deletes it (`keys.instance_slot`)."""
+    return f"{workload_id}-{'c' if variant else ''}{ordinal}-{revision}"
+
+
+def create_instance(
+    w: workload_pb2.Workload,
+    w_kv: KV,
+    ordinal: int,
+    by: str,
+    revision: int,
+    variant: str = "",
+    successor: bool = False,
+) -> Unit:
+    """A Pending instance named by `instance_id`. A `successor` (rolling update) lives beside the old
+    instance of its ordinal: it holds the ordinal's slot for its generation (`.../<n>/g<generation>`),
+    so one successor per ordinal and generation, whatever snapshot a tick decided from."""
     inst = workload_pb2.Instance(
-        id=f"{w.id}-c{ordinal}" if variant else f"{w.id}-{ordinal}",
+        id=instance_id(w.id, ordinal, revision, variant),
         workload_id=w.id,
         workload=w.spec.name,
         ordinal=ordinal,
@@ -99,9 +122,16 @@ def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, v
         generation=w.generation,
         variant=variant,
     )
+    slot = keys.instance_slot(w.id, ordinal, variant)
+    if successor:
+        slot = inst.slot = f"{slot}/g{w.generation}"
     event(inst, InstancePhase.PENDING, by, "waiting for placement")
     key = keys.instance(inst.id)
-    return Unit(f"create {inst.id}", [Compare.absent(key)], [PutOp(key, keys.encode_message(inst))])
+    return Unit(
+        f"create {inst.id}",
+        [Compare.absent(key), Compare.absent(slot)],
+        [PutOp(key, keys.encode_message(inst)), PutOp(slot, keys.encode({"instance": inst.id}))],
+    )
 
 
 def _free_allocs(
@@ -122,7 +152,12 @@ def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple
     return Unit(
         f"remove {inst.id}",
         [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
-        [DeleteOp(kv.key), DeleteOp(keys.instance_status(inst.id)), *ops],
+        [
+            DeleteOp(kv.key),
+            DeleteOp(keys.instance_status(inst.id)),
+            DeleteOp(inst.slot or keys.instance_slot(inst.workload_id, inst.ordinal, inst.variant)),
+            *ops,
+        ],
     )
 
 
@@ -154,8 +189,12 @@ def place_instance(
     generation: int,
     allocs: dict[str, tuple[str, KV]] | None = None,
     reason: str = "",
+    spec: workload_pb2.WorkloadSpec | None = None,
 ) -> Unit:
-    """Place (or move, when `allocs` holds its old allocations): each new device must still be free."""
+    """Place (or move, when `allocs` holds its old allocations): each new device must still be free.
+
+    `spec`: the spec it is placed with, recorded on the instance (replicas cleared) so that it keeps
+    running it through later spec changes until a rolling update replaces it; None keeps its own."""
     old_cmps: list[Compare] = []
     old_ops: list[Op] = []
     if allocs is not None:
@@ -167,6 +206,9 @@ def place_instance(
     new.target_devices.extend(devices)
     new.unplaced_reasons.clear()
     new.generation = generation
+    if spec is not None:
+        new.spec.CopyFrom(spec)
+        new.spec.ClearField("replicas")
     event(new, InstancePhase.SCHEDULED, by, reason or f"placed on {', '.join(devices)}")
     alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
     return Unit(
@@ -181,6 +223,21 @@ def place_instance(
             *old_ops,
             *(PutOp(keys.alloc(d), alloc_value) for d in devices),
         ],
+    )
+
+
+def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: str) -> Unit:
+    """Take a serving instance out of routing (a rolling update); its engine runs until removal."""
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.retiring = True
+    new.reason = reason
+    new.history.append(workload_pb2.PhaseEvent(phase=new.phase, at_unix_ms=now_ms(), by=by, reason=reason))
+    del new.history[:-50]
+    return Unit(
+        f"retire {inst.id}",
+        [Compare.unchanged(kv.key, kv.mod_revision)],
+        [PutOp(kv.key, keys.encode_message(new))],
     )
 
 
