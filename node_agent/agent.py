@@ -122,7 +122,10 @@ class Agent:
         self.node_service = NodeServiceServer(
             self.tls,
             NodeServiceServicer(
-                self.config.node_name, self.executor.instance_dir, ledger.ledger_path(self.state_dir)
+                self.config.node_name,
+                self.executor.instance_dir,
+                ledger.ledger_path(self.state_dir),
+                plugins=lambda: list(self.devices.plugins.values()),
             ),
         )
         self.node_service_address = ""
