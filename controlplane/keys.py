@@ -18,6 +18,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | cordons/<node>                     | API (goal state)      | {"schema", "cordoned", "drain", "by", "at_ms"}| -                |
 | scheduler/config                   | API (goal state)      | {"schema", "yaml", "by", "at_ms"}             | -                |
 | instances/<instance id>            | leader (fenced)       | Instance (proto JSON): placement, phase, why  | -                |
+| instance-slots/<workload id>/<slot>| leader (fenced)       | {"schema", "instance"}: the one live incarnation of an ordinal (slot `<n>`, canary `c<n>`) | - |
 | alloc/<node>/<type>:<index>        | leader (fenced)       | {"schema", "instance", "workload", "at_ms"}   | -                |
 | gateway-keys/<id>                  | API (GatewayService)  | {"schema","id","name","hash" (SHA-256; the secret is never stored),"prefix",...} | - |
 | gateway-policies/<workload>        | API (GatewayService)  | {"schema","workload","policy","balance_factor","prefix_chars","by","at_ms"} | - |
@@ -28,6 +29,10 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 | packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
+
+An ordinal has at most one instance: instance ids are unique per incarnation
+(`<workload id>-<ordinal>-<revision>`), so creation compares the ordinal's `instance-slots/` key
+with create revision 0 and writes it in the same transaction; a removal deletes both.
 
 A device is held by at most one instance: an allocation is committed in one fenced transaction
 that also compares the `alloc/` key's create revision with 0 (free when planned), so two plans that
@@ -61,6 +66,7 @@ WORKLOAD_NAMES = ROOT + "workload-names/"
 CORDONS = ROOT + "cordons/"
 SCHEDULER_CONFIG = ROOT + "scheduler/config"
 INSTANCES = ROOT + "instances/"
+INSTANCE_SLOTS = ROOT + "instance-slots/"
 ALLOC = ROOT + "alloc/"
 INSTANCE_STATUS = ROOT + "instance-status/"
 ROLLOUTS = ROOT + "rollouts/"
@@ -138,6 +144,11 @@ def cordon(node_name: str) -> str:
 
 def instance(iid: str) -> str:
     return INSTANCES + iid
+
+
+def instance_slot(workload_id: str, ordinal: int, variant: str = "") -> str:
+    """The key that names the one live incarnation of a workload's ordinal (canaries apart)."""
+    return f"{INSTANCE_SLOTS}{workload_id}/{'c' if variant else ''}{ordinal}"
 
 
 def alloc(device: str) -> str:

@@ -10,19 +10,23 @@ import time
 
 import grpc
 import structlog
+from cryptography import x509
 from grpc_health.v1 import _async as health_aio  # the asyncio health servicer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane import keys, telemetry
+from controlplane import audit, keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.guard import CallGuard
 from controlplane.api.ledger_service import LedgerService
 from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
+from controlplane.api.security_service import SecurityService
 from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
+from controlplane.certs_state import Revocations, SeenCertificates
 from controlplane.election import Elector, Fence
 from controlplane.feeds import Feeds
 from controlplane.fencing import node_problems, registered_nodes, stored_config
@@ -41,6 +45,7 @@ from kunlun_common.api import (
     gateway_pb2_grpc,
     package_pb2_grpc,
     rollout_pb2_grpc,
+    security_pb2_grpc,
     telemetry_pb2_grpc,
     workload_pb2_grpc,
 )
@@ -85,8 +90,11 @@ class Replica:
             settings.name,
             settings.advertise_address,
             settings.election,
-            loops=[self._lifecycle_loop, self.scheduler.run, self.rollouts.run],
+            loops=[self._lifecycle_loop, self.scheduler.run, self.rollouts.run, self._audit_retention],
         )
+        self.revocations = Revocations(self.store)
+        self.seen = SeenCertificates(self.store)
+        self.guard = CallGuard(self.revocations, self.seen, audit.AuditLog(self.store, settings.name))
         self.metrics = ReplicaMetrics(settings.name)
         self.store.observer = self.metrics.etcd_observed
         self.scheduler.metrics = self.metrics
@@ -115,6 +123,9 @@ class Replica:
             nodes=[(n.name, n.ready) for n in nodes],
             spreads=spreads,
         )
+
+    async def _audit_retention(self, fence: Fence) -> None:
+        await audit.retention_loop(self.store, self.settings.audit)
 
     async def _lifecycle_loop(self, fence: Fence) -> None:
         await self.lifecycle.run(fence)
@@ -207,8 +218,32 @@ class Replica:
             self.settings.package_store_quota_bytes,
         )
         endpoint_svc = EndpointService(self.store)
-        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc):
+        security = SecurityService(
+            self.store, self.tls, self.settings.etcd_endpoints, self.settings.etcd_cert_paths()
+        )
+        ledger = LedgerService(self.feeds, self.tls)
+        for svc in (cluster, agent, workload, gateway, rollout, telemetry_svc, endpoint_svc, security):
             svc.observe_call = self.metrics.api_observed  # API latency by method and code
+        for guarded in (
+            cluster,
+            agent,
+            workload,
+            gateway,
+            rollout,
+            telemetry_svc,
+            endpoint_svc,
+            security,
+            ledger,
+        ):
+            guarded.guard = self.guard  # revocation, certificate inventory, audit
+        package.guard = self.guard
+        revocations = asyncio.create_task(self.revocations.run(), name="revocations")
+        try:
+            await asyncio.wait_for(self.revocations.ready.wait(), 30.0)
+        except TimeoutError:
+            revocations.cancel()
+            raise TemporaryError("could not read the revocation list from etcd within 30 s") from None
+        await self.seen.saw(x509.load_pem_x509_certificate(self.tls.cert), "replica")
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
         workload_pb2_grpc.add_WorkloadServiceServicer_to_server(workload, server)
@@ -217,7 +252,8 @@ class Replica:
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(telemetry_svc, server)
         package_pb2_grpc.add_PackageServiceServicer_to_server(package, server)
         gateway_pb2_grpc.add_EndpointServiceServicer_to_server(endpoint_svc, server)
-        agent_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerService(self.feeds, self.tls), server)
+        agent_pb2_grpc.add_LedgerServiceServicer_to_server(ledger, server)
+        security_pb2_grpc.add_SecurityServiceServicer_to_server(security, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
@@ -232,6 +268,7 @@ class Replica:
             asyncio.create_task(self.elector.run(), name="elector"),
             asyncio.create_task(self.sessions.refresh_leases(), name="node-leases"),
             asyncio.create_task(self._keep_registered(), name="replica-lease"),
+            revocations,
         ]
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 

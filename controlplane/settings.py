@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controlplane.audit import AuditSettings
 from controlplane.election import ElectionSettings
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, etcd_client_paths, paths_for
@@ -57,6 +58,8 @@ class ReplicaSettings:
     empty: this replica stores no packages (pushes go to replicas that do)."""
     package_store_quota_bytes: int = 200 * 2**30
     """Most bytes of packages the cluster's store index may hold (each package counted once)."""
+    audit: AuditSettings = field(default_factory=AuditSettings)
+    """Retention of the audit log (`kunlun-cli audit`): most records and oldest age kept."""
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:

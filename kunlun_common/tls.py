@@ -161,3 +161,35 @@ def peer_identity(auth_context: dict[str, list[bytes]]) -> Identity | None:
     if not pems:
         return None
     return identity_from_pem(pems[0])
+
+
+def peer_certificate(auth_context: dict[str, list[bytes]]) -> x509.Certificate | None:
+    """The verified client certificate from a gRPC auth context, or None if there is none."""
+    pems = auth_context.get("x509_pem_cert")
+    return x509.load_pem_x509_certificate(pems[0]) if pems else None
+
+
+def server_certificate(
+    address: str, ca: bytes, cert_file: Path | None = None, key_file: Path | None = None, timeout: float = 3.0
+) -> x509.Certificate:
+    """Open one TLS connection to `address` (host:port), verified against `ca`, presenting the given
+    client certificate, and return the certificate the server presented (blocking: run it in a
+    thread). Used to read the serial and expiry of what a server presents *now*."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False  # only reading the certificate; the chain is still verified
+    ctx.load_verify_locations(cadata=ca.decode())
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    if cert_file is not None and key_file is not None:
+        ctx.load_cert_chain(str(cert_file), str(key_file))
+    with (
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock,
+        ctx.wrap_socket(sock) as tls_sock,
+    ):
+        der = tls_sock.getpeercert(binary_form=True)
+    if not der:
+        raise ConfigError(f"{address} presented no certificate")
+    return x509.load_der_x509_certificate(der)

@@ -99,7 +99,7 @@ def test_leader_killed_mid_rollout_the_rollout_finishes(cluster: LocalCluster, t
     )
     assert r.returncode == 0, r.stderr
     wait_for(
-        lambda: any(i.id.endswith("-c0") for i in get(cluster, "chat").instances), 30, "a canary instance"
+        lambda: any(i.variant == "canary" for i in get(cluster, "chat").instances), 30, "a canary instance"
     )
     leader = cluster.leader()
     cluster.replicas[leader].kill()

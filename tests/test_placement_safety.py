@@ -21,7 +21,7 @@ from devcluster.cluster import LocalCluster
 from devcluster.procs import pid_alive, wait_for
 from kunlun_common.api import cluster_pb2, workload_pb2
 from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import delete_all, get, set_config, submit, targets
+from tests.sched_helpers import call, delete_all, get, set_config, submit, targets
 
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 3.0
 
@@ -173,8 +173,11 @@ def test_device_handoff_waits_for_the_old_engine(safe_cluster: LocalCluster) -> 
     submit(c, name="slow", engine_args=["--ignore-sigterm", "2.5"], **spec)
     wait_for(lambda: running_on(c, "slow", "node-b/nvidia"), 120, "slow Running")
     device = targets(c, "slow")[0]
-    delete_all(c)
-    submit(c, name="next", **spec)
+    # "next" waits for that very device, so it is placed on the tick that frees it: the old engine
+    # is still in its SIGTERM grace when the assignment reaches the agent
+    submit(c, name="next", pin=device, model="m", replicas=1)
+    wait_for(lambda: bool(get(c, "next").instances), 30, "next queued")
+    call(c, lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name="slow"))
     seen: list[str] = []
 
     def started() -> bool:

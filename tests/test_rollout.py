@@ -100,7 +100,7 @@ def test_scheduler_creates_and_removes_canary_instances() -> None:
     r = rollout(pct=30)
     kvs[keys.rollout("w-1")] = _kv(keys.rollout("w-1"), keys.encode_message(r), 11)
     units = loop.lifecycle_units(decode_state(kvs, 11))
-    assert sorted(u.what for u in units) == ["create w-1-c0", "create w-1-c1"]
+    assert sorted(u.what for u in units) == ["create w-1-c0-11", "create w-1-c1-11"]
     canary = workload_pb2.Instance()
     op = units[0].ops[0]
     assert isinstance(op, PutOp)
@@ -114,6 +114,32 @@ def test_scheduler_creates_and_removes_canary_instances() -> None:
     kvs[keys.rollout("w-1")] = _kv(keys.rollout("w-1"), keys.encode_message(r), 14)
     units = loop.lifecycle_units(decode_state(kvs, 14))
     assert sorted(u.what for u in units) == ["remove w-1-c0", "remove w-1-c1"]  # baseline untouched
+    # the canaries are gone; a new rollout wants them again: new incarnations, new ids, so an engine
+    # of a removed canary still stopping on a cut-off node is never taken for the new one
+    for o in range(2):
+        del kvs[keys.instance(f"w-1-c{o}")]
+    r2 = rollout(pct=30)
+    kvs[keys.rollout("w-1")] = _kv(keys.rollout("w-1"), keys.encode_message(r2), 16)
+    units = loop.lifecycle_units(decode_state(kvs, 16))
+    assert sorted(u.what for u in units) == ["create w-1-c0-16", "create w-1-c1-16"]
+
+
+def test_a_removed_ordinal_comes_back_under_a_new_id() -> None:
+    w = workload(2)
+    kvs = {keys.workload(w.id): _kv(keys.workload(w.id), keys.encode_message(w), 5)}
+    loop = SchedulerLoop(None, "r1")  # type: ignore[arg-type]
+    first = sorted(u.what for u in loop.lifecycle_units(decode_state(kvs, 5)))
+    assert first == ["create w-1-0-5", "create w-1-1-5"]
+    # the same snapshot names the same ids (so two deciders collide on Compare.absent) ...
+    assert sorted(u.what for u in loop.lifecycle_units(decode_state(kvs, 5))) == first
+    inst = workload_pb2.Instance(id="w-1-0-5", workload_id="w-1", ordinal=0, phase="Running")
+    kvs[keys.instance(inst.id)] = _kv(keys.instance(inst.id), keys.encode_message(inst), 6)
+    inst1 = workload_pb2.Instance(id="w-1-1-5", workload_id="w-1", ordinal=1, phase="Running")
+    kvs[keys.instance(inst1.id)] = _kv(keys.instance(inst1.id), keys.encode_message(inst1), 6)
+    assert loop.lifecycle_units(decode_state(kvs, 6)) == []
+    # ... and after ordinal 0's removal (committed at 9), its successor is a different instance
+    del kvs[keys.instance("w-1-0-5")]
+    assert [u.what for u in loop.lifecycle_units(decode_state(kvs, 9))] == ["create w-1-0-9"]
 
 
 def test_gateway_splits_by_weight_and_sticks_per_session() -> None:

@@ -67,6 +67,11 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.EndpointService/GetEndpoint": READERS,
     "/kunlun.v1.EndpointService/ListEndpoints": READERS,
     "/kunlun.v1.EndpointService/DeleteEndpoint": WRITERS,
+    "/kunlun.v1.SecurityService/ListAudit": READERS,
+    "/kunlun.v1.SecurityService/ListCertificates": READERS,
+    "/kunlun.v1.SecurityService/RevokeCertificate": WRITERS,
+    # agents and gateways fetch the list to refuse revoked replicas and scrapers themselves
+    "/kunlun.v1.SecurityService/ListRevocations": (*READERS, "agent", "gateway"),
 }
 
 

@@ -24,6 +24,7 @@ import grpc
 
 from controlplane import keys
 from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.api.guard import CallGuard
 from controlplane.api.rpc import fail
 from controlplane.package_store import (
     PACKAGES,
@@ -43,6 +44,7 @@ from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError
 from kunlun_common.modelpkg import PackageError
 from kunlun_common.modelpkg.signing import key_id, parse_public_key, public_pem
+from kunlun_common.tls import Identity
 
 SVC = "/kunlun.v1.PackageService/"
 TRUST = keys.PACKAGE_TRUST
@@ -90,12 +92,14 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
         self.replica = replica
         self.blobs = BlobStore(Path(store_dir.replace("{name}", replica))) if store_dir else None
         self.quota = quota_bytes
+        self.guard: CallGuard | None = None
+        """Revocation check and certificate inventory (set by the replica)."""
 
     # ------------------------------------------------------------------ package store
     async def PushPackage(
         self, request_iterator: AsyncIterator[package_pb2.PushPackageChunk], context: Ctx
     ) -> package_pb2.PackageInfo:
-        who = await authorize(context, SVC + "PushPackage")
+        who = await self._authorize(context, "PushPackage")
         if self.blobs is None:
             await abort(
                 context,
@@ -144,7 +148,7 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
     async def ListPackages(
         self, request: package_pb2.ListPackagesRequest, context: Ctx
     ) -> package_pb2.ListPackagesResponse:
-        await authorize(context, SVC + "ListPackages")
+        await self._authorize(context, "ListPackages")
         try:
             kvs, _ = await self.store.get_prefix(PACKAGES)
         except Exception as e:
@@ -157,7 +161,7 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
     async def DeletePackage(
         self, request: package_pb2.DeletePackageRequest, context: Ctx
     ) -> package_pb2.PackageInfo:
-        await authorize(context, SVC + "DeletePackage")
+        await self._authorize(context, "DeletePackage")
         m = _REF_RE.match(request.ref)
         if not m:
             await abort(
@@ -177,13 +181,19 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
             )
         return package_message(rec)
 
+    async def _authorize(self, context: Ctx, name: str) -> Identity:
+        """The replica's revocation check (when serving in a replica), then the role table."""
+        if self.guard is not None:
+            await self.guard.admit(context, SVC + name)
+        return await authorize(context, SVC + name)
+
     async def _fail(self, context: Ctx, e: Exception) -> None:
         await fail(context, e)  # the one error mapping (controlplane/api/rpc.py)
 
     async def AddTrustedKey(
         self, request: package_pb2.AddTrustedKeyRequest, context: Ctx
     ) -> package_pb2.TrustedKey:
-        who = await authorize(context, SVC + "AddTrustedKey")
+        who = await self._authorize(context, "AddTrustedKey")
         pem = request.public_key_pem.encode()
         if not pem or len(pem) > MAX_PEM_BYTES:
             await abort(
@@ -232,7 +242,7 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
     async def RemoveTrustedKey(
         self, request: package_pb2.RemoveTrustedKeyRequest, context: Ctx
     ) -> package_pb2.TrustedKey:
-        who = await authorize(context, SVC + "RemoveTrustedKey")
+        who = await self._authorize(context, "RemoveTrustedKey")
         if not _KEY_ID_RE.match(request.key_id):
             await abort(
                 context,
@@ -273,7 +283,7 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
     async def ListTrustedKeys(
         self, request: package_pb2.ListTrustedKeysRequest, context: Ctx
     ) -> package_pb2.ListTrustedKeysResponse:
-        await authorize(context, SVC + "ListTrustedKeys")
+        await self._authorize(context, "ListTrustedKeys")
         try:
             kvs, _ = await self.store.get_prefix(TRUST)
         except Exception as e:

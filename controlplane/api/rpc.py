@@ -20,10 +20,11 @@ translate. A new RPC: its line in PERMISSIONS, then a decorated method on its se
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import grpc
 
@@ -38,6 +39,9 @@ from kunlun_common.errors import (
     TemporaryError,
 )
 from kunlun_common.tls import Identity
+
+if TYPE_CHECKING:
+    from controlplane.api.guard import CallGuard
 
 STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
@@ -74,6 +78,9 @@ class Servicer:
     """The full service name, e.g. "kunlun.v1.WorkloadService"."""
     observe_call: Callable[[str, str, float], None] | None = None
     """Told (method, status code name, seconds) after every unary call; the replica's API metrics."""
+    guard: CallGuard | None = None
+    """Revocation check, certificate inventory and audit (controlplane/api/guard.py); None in unit
+    tests that serve a servicer alone."""
 
     def method(self, name: str) -> str:
         """The full method name of handler `name`, as PERMISSIONS lists it."""
@@ -95,8 +102,11 @@ def rpc(
     async def call(self: S, request: Req, context: Ctx) -> Resp:
         t0 = time.perf_counter()
         code = "OK"
+        method = self.method(name)
         try:
-            who = await authorize(context, self.method(name))
+            if self.guard is not None:
+                await self.guard.admit(context, method)
+            who = await authorize(context, method)
             return await handler(self, request, context, who)
         except Exception as e:
             code = _code_name(e, context)
@@ -104,6 +114,8 @@ def rpc(
         finally:
             if self.observe_call is not None:
                 self.observe_call(name, code, time.perf_counter() - t0)
+            if self.guard is not None and self.guard.audited(method):
+                await self.guard.audit(context, method, request, code)  # type: ignore[arg-type]
 
     call.__rpc_method__ = name  # type: ignore[attr-defined]
     return call
@@ -134,14 +146,36 @@ def rpc_stream(
 
     @functools.wraps(handler)
     async def call(self: S, request: Req, context: Ctx) -> AsyncIterator[Resp]:
+        guard = self.guard
+        cert = await guard.admit(context, self.method(name)) if guard is not None else None
         who = await authorize(context, self.method(name))
         items = handler(self, request, context, who)
+        revoked = asyncio.ensure_future(guard.until_revoked(cert)) if guard is not None else None
+        nxt: asyncio.Future[Resp] | None = None
         try:
-            async for item in items:
+            it = items.__aiter__()
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                waiting = {nxt} if revoked is None else {nxt, revoked}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():  # the caller's certificate was revoked: end its stream
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    await abort(
+                        context, grpc.StatusCode.UNAUTHENTICATED, "the client certificate was revoked"
+                    )
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    break
                 yield item
         except Exception as e:
             await fail(context, e)
         finally:
+            for f in (revoked, nxt):
+                if f is not None and not f.done():
+                    f.cancel()
+                    await asyncio.gather(f, return_exceptions=True)
             if isinstance(items, AsyncGenerator):  # the client went away: the handler's cleanup runs now
                 await items.aclose()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import time
 from typing import Any
 
 import grpc
@@ -11,7 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane.cli.client import Client
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import member_json, replica_json
-from kunlun_common.api import cluster_pb2
+from kunlun_common.api import cluster_pb2, security_pb2, security_pb2_grpc
+
+EXPIRY_WARNING_DAYS = 30
+"""`cluster status` warns about any certificate in use that expires within this many days."""
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -45,6 +50,36 @@ def probe_gateway(address: str) -> bool:
     return False
 
 
+def certificate_warnings(
+    certs: list[security_pb2.CertificateInfo], now_s: float | None = None, days: int = EXPIRY_WARNING_DAYS
+) -> list[str]:
+    """One line per certificate in use that expires within `days` (or has expired)."""
+    now = time.time() if now_s is None else now_s
+    out = []
+    for c in sorted(certs, key=lambda c: (c.not_after_unix_ms, c.role, c.name)):
+        left = c.not_after_unix_ms / 1000 - now
+        if left > days * 86400:
+            continue
+        when = dt.datetime.fromtimestamp(c.not_after_unix_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        state = f"expires in {left / 86400:.0f} days ({when})" if left > 0 else f"EXPIRED on {when}"
+        out.append(
+            f"certificate {c.role}:{c.name} (serial {c.serial}) {state}; renew it with "
+            "`kunlun-cli certs rotate DIR --name " + c.name + "` and reload the component (SIGHUP)"
+        )
+    return out
+
+
+def certificate_json(c: security_pb2.CertificateInfo) -> dict[str, Any]:
+    return {
+        "role": c.role,
+        "name": c.name,
+        "serial": c.serial,
+        "not_after_unix_ms": c.not_after_unix_ms,
+        "seen_at_unix_ms": c.seen_at_unix_ms,
+        "source": c.source,
+    }
+
+
 def cluster_status(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
@@ -57,6 +92,14 @@ def cluster_status(args: argparse.Namespace) -> int:
     gateways = live_gateways(client)
     for g in gateways:
         g["healthy"] = probe_gateway(str(g.get("address", "")))
+    certs = list(
+        client.call_stub(
+            security_pb2_grpc.SecurityServiceStub,
+            lambda s: s.ListCertificates,
+            security_pb2.ListCertificatesRequest(),
+        ).certificates
+    )
+    warnings = certificate_warnings(certs)
     if args.output == "json":
         print_json(
             {
@@ -66,6 +109,8 @@ def cluster_status(args: argparse.Namespace) -> int:
                 "replicas": replicas,
                 "etcd_members": members,
                 "gateways": gateways,
+                "certificates": [certificate_json(c) for c in certs],
+                "warnings": warnings,
             }
         )
         return 0
@@ -106,4 +151,8 @@ def cluster_status(args: argparse.Namespace) -> int:
                 for g in gateways
             ],
         )
+    if warnings:
+        print()
+        for w in warnings:
+            print(f"WARNING: {w}")
     return 0

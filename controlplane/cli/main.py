@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controlplane.cli import (
+    audit_cmd,
     certs_cmd,
     cluster_cmd,
     declaration_cmd,
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     node_cmd.register(sub, common)
     cluster_cmd.register(sub, common)
     certs_cmd.register(sub, common)
+    audit_cmd.register(sub, common)
     workload_cmd.register(sub, common)
     gateway_cmd.register(sub, common)
     endpoint_cmd.register(sub, common)

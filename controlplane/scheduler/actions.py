@@ -87,10 +87,25 @@ def pack(units: list[Unit], limit: int = MAX_TXN_OPS - 1, max_bytes: int = MAX_T
     return batches
 
 
-def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, variant: str = "") -> Unit:
-    """A Pending instance; a canary (variant "canary") is `<workload id>-c<ordinal>`."""
+def instance_id(workload_id: str, ordinal: int, revision: int, variant: str = "") -> str:
+    """`<workload id>-<ordinal>-<revision>` (a canary: `-c<ordinal>-`), unique per incarnation.
+
+    `revision` is the etcd revision of the snapshot the decision was made from. An ordinal whose
+    instance was removed and is wanted again gets a new id, because the removal itself raised the
+    revision: the old instance's engine, possibly still stopping on a node cut off from the
+    cluster, and the new one are two instances, never "one instance running twice". Since ids
+    differ between snapshots, the guard against two live instances of one ordinal (a tick deciding
+    from a snapshot that missed its own last creation) is the ordinal's slot key: creation needs it
+    absent and writes it, removal deletes it (`keys.instance_slot`)."""
+    return f"{workload_id}-{'c' if variant else ''}{ordinal}-{revision}"
+
+
+def create_instance(
+    w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, revision: int, variant: str = ""
+) -> Unit:
+    """A Pending instance named by `instance_id`."""
     inst = workload_pb2.Instance(
-        id=f"{w.id}-c{ordinal}" if variant else f"{w.id}-{ordinal}",
+        id=instance_id(w.id, ordinal, revision, variant),
         workload_id=w.id,
         workload=w.spec.name,
         ordinal=ordinal,
@@ -101,7 +116,12 @@ def create_instance(w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, v
     )
     event(inst, InstancePhase.PENDING, by, "waiting for placement")
     key = keys.instance(inst.id)
-    return Unit(f"create {inst.id}", [Compare.absent(key)], [PutOp(key, keys.encode_message(inst))])
+    slot = keys.instance_slot(w.id, ordinal, variant)
+    return Unit(
+        f"create {inst.id}",
+        [Compare.absent(key), Compare.absent(slot)],
+        [PutOp(key, keys.encode_message(inst)), PutOp(slot, keys.encode({"instance": inst.id}))],
+    )
 
 
 def _free_allocs(
@@ -122,7 +142,12 @@ def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple
     return Unit(
         f"remove {inst.id}",
         [Compare.unchanged(kv.key, kv.mod_revision), *cmps],
-        [DeleteOp(kv.key), DeleteOp(keys.instance_status(inst.id)), *ops],
+        [
+            DeleteOp(kv.key),
+            DeleteOp(keys.instance_status(inst.id)),
+            DeleteOp(keys.instance_slot(inst.workload_id, inst.ordinal, inst.variant)),
+            *ops,
+        ],
     )
 
 

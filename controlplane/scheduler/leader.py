@@ -143,7 +143,7 @@ class SchedulerLoop:
             want = w.spec.replicas
             for ordinal in range(want):
                 if ordinal not in have:
-                    units.append(create_instance(w, wkv, ordinal, self.by))
+                    units.append(create_instance(w, wkv, ordinal, self.by, st.revision))
             for ordinal, iid in by_workload.get(wid, []):
                 if ordinal >= want:
                     inst, kv = st.instances[iid]
@@ -167,7 +167,9 @@ class SchedulerLoop:
         """Canary instances to create or remove so their count follows the rollout's weight."""
         want = canary_count(w, st.rollouts.get(w.id))
         units = [
-            create_instance(w, wkv, o, self.by, CANARY) for o in range(want) if o not in {h[0] for h in have}
+            create_instance(w, wkv, o, self.by, st.revision, CANARY)
+            for o in range(want)
+            if o not in {h[0] for h in have}
         ]
         for ordinal, iid in have:
             if ordinal >= want:

@@ -367,7 +367,10 @@ class _Supervisor:
             cause = ExitCause.OOM_KILLED
         elif self.stopping_since is not None:
             cause = ExitCause.STOPPED
-            message = message or self.stop_cause
+            # why we stopped it comes first (a fence, a stop request); how it ended, after
+            message = (
+                f"{self.stop_cause}; {message}" if message and self.stop_cause else message or self.stop_cause
+            )
         elif sig is not None:
             cause = ExitCause.SIGNALED
         else:
