@@ -18,6 +18,7 @@ import yaml
 from controlplane.cli.config import ClientConfig, write_client_config
 from devcluster.cluster import EXAMPLES, LocalCluster
 from devcluster.procs import wait_for
+from kunlun_common.api import types_pb2
 from kunlun_common.pki import paths_for
 from tests.sched_helpers import delete_all, get, submit, workloads
 
@@ -56,9 +57,16 @@ def no_verify_workloads(cluster: LocalCluster) -> bool:
     return not [w for w in workloads(cluster) if w.workload.spec.name.startswith("kunlun-verify-")]
 
 
+def all_ready(cluster: LocalCluster) -> bool:
+    return all(d.status == types_pb2.DEVICE_STATUS_READY for d in cluster.devices())
+
+
 def test_layers_pass_and_the_report_holds_every_checkpoint(
     cluster: LocalCluster, cli: Any, tmp_path: Path
 ) -> None:
+    # the stand-in tools are processes with a 10 s timeout: on a crowded machine a device can be in
+    # Error for a sample; start from a cluster whose devices are all Ready
+    wait_for(lambda: all_ready(cluster), 120, "every device Ready")
     out = tmp_path / "report"
     args = ["verify", "--layer", "1..2", "--report", str(out), "-o", "json", "--requests", "500"]
     r = cli(*args, *[a for f in NODE_CONFIGS for a in ("--declared", f)])
