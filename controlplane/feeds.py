@@ -232,9 +232,12 @@ class Feeds:
         w: workload_pb2.Workload,
         rollouts: Mapping[str, rollout_pb2.Rollout],
     ) -> workload_pb2.WorkloadSpec:
-        """The spec an instance runs: its workload's, or the rollout's canary spec for a canary."""
+        """The spec an instance runs: the rollout's canary spec for a canary; else the spec it was
+        placed with (kept through a rolling update until it is replaced), or its workload's."""
         r = rollouts.get(w.id)
-        return canary_spec(w, r) if inst.variant == CANARY and r is not None else w.spec
+        if inst.variant == CANARY and r is not None:
+            return canary_spec(w, r)
+        return inst.spec if inst.HasField("spec") else w.spec
 
     def instances(self) -> list[workload_pb2.Instance]:
         """Every instance with what its node observed put on it (copies: the caller may modify)."""
@@ -277,7 +280,13 @@ class Feeds:
         eps = []
         for inst in self.instances():
             w = idx.workloads.get(inst.workload_id)
-            if inst.phase == InstancePhase.RUNNING and inst.endpoint and w is not None and not w.deleting:
+            if (
+                inst.phase == InstancePhase.RUNNING
+                and inst.endpoint
+                and not inst.retiring  # a rolling update drains it before its engine stops
+                and w is not None
+                and not w.deleting
+            ):
                 eps.append(
                     workload_pb2.Endpoint(
                         instance_id=inst.id,

@@ -18,7 +18,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | cordons/<node>                     | API (goal state)      | {"schema", "cordoned", "drain", "by", "at_ms"}| -                |
 | scheduler/config                   | API (goal state)      | {"schema", "yaml", "by", "at_ms"}             | -                |
 | instances/<instance id>            | leader (fenced)       | Instance (proto JSON): placement, phase, why  | -                |
-| instance-slots/<workload id>/<slot>| leader (fenced)       | {"schema", "instance"}: the one live incarnation of an ordinal (slot `<n>`, canary `c<n>`) | - |
+| instance-slots/<workload id>/<slot>| leader (fenced)       | {"schema", "instance"}: the one live incarnation of an ordinal (slot `<n>`, canary `c<n>`; a rolling update's successor `<n>/g<generation>`) | - |
 | alloc/<node>/<type>:<index>        | leader (fenced)       | {"schema", "instance", "workload", "at_ms"}   | -                |
 | gateway-keys/<id>                  | API (GatewayService)  | {"schema","id","name","hash" (SHA-256; the secret is never stored),"prefix",...} | - |
 | gateway-policies/<workload>        | API (GatewayService)  | {"schema","workload","policy","balance_factor","prefix_chars","by","at_ms"} | - |

@@ -264,6 +264,13 @@ class LocalCluster:
         if self.spec.gateways:
             self.start_gateways()
 
+    def distribute_crl(self) -> None:
+        """Copy certs/crl/etcd.crl (rewritten by `kunlun-cli certs revoke --dir`) into every etcd
+        member's folder, as an operator copies it to the etcd hosts; etcd reads it on each new
+        client connection, so no restart is needed."""
+        for m in self.etcd.members:
+            bundle(self.cert_dir, m.data_dir.parent / "certs", "etcd", m.name)
+
     # ---------------------------------------------------------------- probes
     def channel(self, address: str, role: str = "operator", name: str = "admin") -> grpc.Channel:
         creds = channel_credentials(load_tls(paths_for(self.cert_dir, role, name)))

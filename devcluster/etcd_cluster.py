@@ -20,7 +20,7 @@ from pathlib import Path
 
 from devcluster.procs import ManagedProcess, free_port
 from kunlun_common.errors import ConfigError
-from kunlun_common.pki import ETCD_CA, ETCD_PEER_NAME, bundle, paths_for
+from kunlun_common.pki import ETCD_CA, ETCD_CRL, ETCD_PEER_NAME, bundle, paths_for
 
 
 @dataclass
@@ -128,6 +128,7 @@ def build_etcd_cluster(
             "--experimental-watch-progress-notify-interval=5s",
             f"--heartbeat-interval={heartbeat_ms}",
             f"--election-timeout={election_ms}",
+            *([f"--client-crl-file={own / ETCD_CRL}"] if (own / ETCD_CRL).exists() else []),
             "--logger=zap",
             "--log-level=warn",
         ]

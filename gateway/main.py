@@ -18,10 +18,13 @@ from gateway.backends import HealthChecker, Registry
 from gateway.metrics import GatewayExport, PoolRow
 from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings, split_host_port
+from kunlun_common import revocation
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
 from kunlun_common.logs import log_json, setup_logging
+from kunlun_common.revocation import RevokedSerials
 from kunlun_common.settings import from_mapping, load_yaml_mapping
+from kunlun_common.tls import TlsMaterial
 
 log = structlog.get_logger("gateway")
 VERSION = "0.1.0"
@@ -54,6 +57,12 @@ class Gateway:
         self.started = time.time()
         self.metrics: Any = None
         self.metrics_address = ""
+        self.revoked = RevokedSerials()
+        """Revoked serials, fetched from the replicas (the metrics exporter refuses them)."""
+
+    def _material(self) -> TlsMaterial:
+        assert self.material is not None
+        return self.material
 
     def _pool_rows(self) -> list[PoolRow]:
         now = time.monotonic()
@@ -80,7 +89,7 @@ class Gateway:
             lambda: (self.proxy.inflight if self.proxy else 0, len(self.proxy.clients) if self.proxy else 0),
         )
         self.metrics = MetricsServer(
-            self.settings.metrics_listen, self.material, export.registry, export.prepare
+            self.settings.metrics_listen, self.material, export.registry, export.prepare, revoked=self.revoked
         )
         self.metrics_address = await self.metrics.start()
 
@@ -116,6 +125,11 @@ class Gateway:
             self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
             self.feed.info.metrics_address = self.metrics_address
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
+            self._tasks.append(
+                asyncio.create_task(
+                    revocation.follow(s.endpoints, self._material, self.revoked), name="revocations"
+                )
+            )
         else:
             eps = [
                 workload_pb2.Endpoint(instance_id=f"{w}-{i}", address=a, workload=w)

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.revocation import RevokedSerials
 from kunlun_common.tls import TlsMaterial, identity_of
 
 log = structlog.get_logger("metrics")
@@ -105,8 +106,10 @@ class MetricsServer:
         material: TlsMaterial,
         registry: CollectorRegistry,
         prepare: Callable[[], Awaitable[None]] | None = None,
+        revoked: RevokedSerials | None = None,
     ) -> None:
         self.listen = listen
+        self.revoked = revoked
         self.material = material
         self.registry = registry
         self.prepare = prepare
@@ -177,7 +180,11 @@ class MetricsServer:
         der = ssl_obj.getpeercert(binary_form=True) if ssl_obj is not None else None
         if not der:
             return 401, text, b"a client certificate signed by the cluster CA is required\n"
-        ident = identity_of(x509.load_der_x509_certificate(der))
+        cert = x509.load_der_x509_certificate(der)
+        ident = identity_of(cert)
+        if self.revoked is not None and self.revoked.revoked(cert):
+            log.warning("refused revoked certificate", identity=str(ident), serial=f"{cert.serial_number:x}")
+            return 403, text, f"certificate serial {cert.serial_number:x} ({ident}) was revoked\n".encode()
         if ident.role not in ALLOWED_ROLES:
             log.warning("refused metrics scrape", identity=str(ident), allowed=list(ALLOWED_ROLES))
             return 403, text, f"{ident} may not scrape metrics (allowed roles: monitoring)\n".encode()

@@ -284,7 +284,64 @@ def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = Cl
     ):
         for name in names:
             out.append(issue(cert_dir, role, name, hosts=spec.host_map.get(name, spec.hosts)).cert)
+    if not (Path(cert_dir) / ETCD_CRL).exists():
+        write_crl(cert_dir, ())  # etcd needs its --client-crl-file from the start
     return out
+
+
+CRL_DIR = "crl"
+ETCD_CRL = f"{CRL_DIR}/etcd.crl"
+"""The etcd members' `--client-crl-file` (DER), signed by the etcd CA: etcd reads it on every new
+client connection and refuses a certificate whose serial it lists."""
+
+
+def write_crl(cert_dir: str | os.PathLike[str], serials: Iterable[int], days: int = 30) -> Path:
+    """Write DIR/crl/etcd.crl listing `serials` (needs the etcd CA key, in `ca_key_dir(DIR)`)."""
+    base = Path(cert_dir)
+    ca_cert, ca_key = _load_ca(base, ETCD_CA)
+    now = _now()
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now - dt.timedelta(minutes=5))
+        .next_update(now + dt.timedelta(days=days))
+    )
+    for serial in sorted(set(serials)):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        )
+    crl = builder.sign(ca_key, hashes.SHA256())
+    out = base / ETCD_CRL
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(crl.public_bytes(serialization.Encoding.DER))
+    os.replace(tmp, out)
+    return out
+
+
+def certificate_serial(path: str | os.PathLike[str]) -> int:
+    """The serial number of the PEM certificate at `path`."""
+    return x509.load_pem_x509_certificate(Path(path).read_bytes()).serial_number
+
+
+def find_certificate(cert_dir: str | os.PathLike[str], name: str) -> Path:
+    """`role/name` or a bare `name` -> its certificate file in a `certs init` folder."""
+    base = Path(cert_dir)
+    if "/" in name:
+        role, _, cn = name.partition("/")
+        found = [base / role / f"{cn}.crt"] if (base / role / f"{cn}.crt").is_file() else []
+    else:
+        found = sorted(p for p in base.glob(f"*/{name}.crt") if p.parent.name != CRL_DIR)
+    if len(found) != 1:
+        what = (
+            "no certificate"
+            if not found
+            else f"{len(found)} certificates ({', '.join(str(p) for p in found)})"
+        )
+        raise ConfigError(
+            f"{what} named {name!r} in {base}; give ROLE/NAME (e.g. viewer/viewer) or the serial"
+        )
+    return found[0]
 
 
 def bundle(cert_dir: str | os.PathLike[str], dest: str | os.PathLike[str], role: str, name: str) -> Path:
@@ -300,6 +357,8 @@ def bundle(cert_dir: str | os.PathLike[str], dest: str | os.PathLike[str], role:
     ]
     if role == "replica":
         files += [ETCD_CA, f"{ETCD_CLIENT}/{ETCD_USER}.crt", f"{ETCD_CLIENT}/{ETCD_USER}.key"]
+    if role == "etcd" and (src / ETCD_CRL).exists():
+        files.append(ETCD_CRL)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     for rel in files:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from kunlun_common import tls
+from kunlun_common import revocation, tls
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
@@ -119,6 +119,7 @@ class Agent:
             simulated.chip_usage if simulated is not None else None,
             fence_deadline_s=settings.executor.disconnect_stop_s,
         )
+        self.revoked = revocation.RevokedSerials()
         self.node_service = NodeServiceServer(
             self.tls,
             NodeServiceServicer(
@@ -126,6 +127,7 @@ class Agent:
                 self.executor.instance_dir,
                 ledger.ledger_path(self.state_dir),
                 plugins=lambda: list(self.devices.plugins.values()),
+                revoked=self.revoked,
             ),
         )
         self.node_service_address = ""
@@ -208,7 +210,9 @@ class Agent:
             lambda: [w.status for w in self.executor.workers.values()],
             lambda: bool(self.link.connected_to),
         )
-        self.metrics = MetricsServer(self.settings.metrics_listen, self.tls, m.registry, m.prepare)
+        self.metrics = MetricsServer(
+            self.settings.metrics_listen, self.tls, m.registry, m.prepare, revoked=self.revoked
+        )
         self.metrics_address = await self.metrics.start()
 
     async def run(self) -> None:
@@ -248,6 +252,9 @@ class Agent:
             asyncio.create_task(self.link.run(), name="link"),
             asyncio.create_task(self._sample_loop(), name="sampler"),
             asyncio.create_task(self._renew_fence(), name="fence"),
+            asyncio.create_task(
+                revocation.follow(self.settings.endpoints, lambda: self.tls, self.revoked), name="revocations"
+            ),
         ]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import ConfigError
+from kunlun_common.revocation import RevokedSerials
 from node_agent.assignment_check import id_problem
 from node_agent.executor import ledger
 from node_agent.executor.logfiles import LogFollower, LogSettings
@@ -52,13 +53,27 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
         ledger_file: Path | None = None,
         poll_s: float = 0.2,
         plugins: Callable[[], list[VendorPlugin]] | None = None,
+        revoked: RevokedSerials | None = None,
     ) -> None:
         self.node = node
+        self.revoked = revoked
         self.instance_dir = instance_dir
         self.ledger_file = ledger_file
         self.plugins = plugins or (lambda: [])
         self.poll_s = poll_s
         self.log_file = LogSettings().file_name
+
+    async def _refuse_revoked(self, context: Ctx) -> None:
+        cert = tls.peer_certificate(context.auth_context())  # type: ignore[arg-type]
+        if cert is not None and self.revoked is not None and self.revoked.revoked(cert):
+            log.warning(
+                "refused revoked certificate", identity=str(tls.identity_of(cert)), peer=context.peer()
+            )
+            await _abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"certificate serial {cert.serial_number:x} ({tls.identity_of(cert)}) was revoked",
+            )
 
     async def Logs(self, request: agent_pb2.LogsRequest, context: Ctx) -> AsyncIterator[agent_pb2.LogChunk]:
         ident = tls.peer_identity(context.auth_context())  # type: ignore[arg-type]
@@ -70,6 +85,7 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"{ident or 'a caller without certificate'} may not read logs on node {self.node} "
                 f"(allowed roles: {', '.join(ALLOWED_ROLES)})",
             )
+        await self._refuse_revoked(context)
         problem = id_problem("instance_id", request.instance_id)
         if problem:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -106,6 +122,7 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"{ident or 'a caller without certificate'} may not read the engine ledger of node "
                 f"{self.node} (allowed roles: {', '.join(ALLOWED_ROLES)})",
             )
+        await self._refuse_revoked(context)
         if request.node and request.node != self.node:
             await _abort(
                 context,
@@ -146,6 +163,7 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                 f"{ident or 'a caller without certificate'} may not run the vendor tools of node "
                 f"{self.node} (allowed roles: {', '.join(ALLOWED_ROLES)})",
             )
+        await self._refuse_revoked(context)
         if request.node and request.node != self.node:
             await _abort(
                 context,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 from controlplane.cli.config import ClientConfig, write_client_config
 from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
+from kunlun_common.api import workload_pb2
 from kunlun_common.pki import paths_for
 from tests.sched_helpers import delete_all, get, submit
 
@@ -112,3 +114,47 @@ def test_leader_killed_mid_rollout_the_rollout_finishes(cluster: LocalCluster, t
     assert cluster.leader() not in ("", leader)
     assert get(cluster, "chat").workload.spec.model == "chat-v2"
     cluster.restart_replica(leader)
+
+
+def serving(s: workload_pb2.WorkloadSummary) -> int:
+    """Instances the gateways route to: Running with an endpoint, not retiring."""
+    return sum(1 for i in s.instances if i.phase == "Running" and i.endpoint and not i.retiring)
+
+
+def test_spec_update_under_traffic_rolls_without_a_failed_request(cluster: LocalCluster) -> None:
+    """A spec update replaces the 3 instances one at a time (max_surge 1, max_unavailable 0): every
+    request through the gateway succeeds, and at least 3 instances serve at every sample."""
+    roll = {"max_surge": 1, "max_unavailable": 0}  # explicit: never below 3, even on a full cluster
+    submit(cluster, name="chat", model="m", replicas=3, env={"ROLL": "1"}, **roll)
+    wait_for(lambda: running(cluster, "chat", 3), 90, "3 instances Running")
+    gateway = next(iter(cluster.gateway_addrs.values()))
+    wait_for(lambda: chat(gateway) == 200, 30, "the gateway routes to the workload")
+    before = {i.id for i in get(cluster, "chat").instances}
+    w = submit(cluster, name="chat", model="m", replicas=3, env={"ROLL": "2"}, **roll)
+    assert w.generation == 2
+    statuses: list[int] = []
+    samples: list[int] = []
+    progress: set[str] = set()
+    deadline = time.monotonic() + 240  # generous: engines start slowly on a loaded machine
+    done = False
+    for n in range(20000):  # bounded in count and in time
+        statuses.append(chat(gateway))
+        if n % 4 == 0:
+            s = get(cluster, "chat")
+            samples.append(serving(s))
+            if s.rolling:
+                progress.add(s.rolling.split(" serving")[0])
+            fresh = [i for i in s.instances if i.generation == 2 and i.id not in before]
+            done = len(s.instances) == 3 and len(fresh) == 3 and serving(s) == 3
+            if done or time.monotonic() > deadline:
+                break
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} requests failed: {sorted(set(failed))}"
+    assert min(samples) >= 3, samples
+    last = get(cluster, "chat")
+    assert done, (
+        f"the roll did not finish: {last.rolling} {[(i.id, i.phase, i.reason) for i in last.instances]}"
+    )
+    assert len(samples) >= 10
+    # describe showed the way: "rolling: 0/3 updated" ... at least one intermediate step
+    assert any(p.startswith("rolling: 1/3") or p.startswith("rolling: 2/3") for p in progress), progress

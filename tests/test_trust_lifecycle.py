@@ -12,16 +12,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.cli.main import main as cli_main
 from devcluster.cluster import LocalCluster
-from kunlun_common.pki import ClusterCerts, init_cluster_certs, issue, paths_for
+from devcluster.procs import wait_for
+from kunlun_common.api import (
+    agent_pb2,
+    agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    security_pb2,
+    security_pb2_grpc,
+    workload_pb2,
+    workload_pb2_grpc,
+)
+from kunlun_common.pki import ClusterCerts, certificate_serial, init_cluster_certs, issue, paths_for
+from kunlun_common.tls import channel_credentials, load_tls
 from tests.conftest import FAST_TMP, start_cluster
+from tests.prom_helpers import scrape, tls_context
 
 CLI = [sys.executable, "-m", "controlplane.cli.main"]
 SHORT_LIVED = "node-b"
@@ -138,6 +152,146 @@ def test_cluster_status_warns_30_days_before_a_component_certificate_expires(
     assert table.returncode == 0
     assert f"WARNING: certificate agent:{SHORT_LIVED}" in table.stdout
     assert "days" in table.stdout.split(f"agent:{SHORT_LIVED}", 1)[1].splitlines()[0]
+
+
+def _channel(
+    c: LocalCluster, role: str, name: str, address: str, server_role: str = "replica"
+) -> grpc.Channel:
+    creds = channel_credentials(load_tls(paths_for(c.cert_dir, role, name)), server_role=server_role)
+    return grpc.secure_channel(address, creds)
+
+
+def _code(fn: Callable[[], object]) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def _wait_code(fn: Callable[[], object], want: grpc.StatusCode, what: str, deadline_s: float = 20.0) -> float:
+    """Poll until `fn` ends with status `want`; return how long it took."""
+    t0 = time.monotonic()
+    wait_for(lambda: _code(fn) == want, deadline_s, what)
+    return time.monotonic() - t0
+
+
+def _etcd_get(c: LocalCluster, user: str) -> bool:
+    import asyncio
+
+    from controlplane.store import EtcdStore, StoreSettings
+    from kunlun_common.errors import KunlunError
+    from kunlun_common.pki import etcd_client_paths
+
+    p = etcd_client_paths(c.cert_dir, user)
+
+    async def get() -> bool:
+        settings = StoreSettings(
+            tuple(c.etcd.endpoints), str(p.ca), str(p.cert), str(p.key), retry_deadline_s=2.0
+        )
+        store = EtcdStore(settings)
+        try:
+            await store.get("/kunlun/v1/leader-state")
+            return True
+        except KunlunError:
+            return False
+        finally:
+            await store.close()
+
+    return asyncio.run(get())
+
+
+def test_revoked_certificates_are_refused_by_replicas_agents_gateways_and_etcd(
+    lc_cluster: LocalCluster,
+) -> None:
+    c = lc_cluster
+    admin = _config(c, "operator", "admin")
+    for role, name in (
+        ("viewer", "revokee"),
+        ("agent", "node-z"),
+        ("replica", "replica-9"),
+        ("monitoring", "prom-2"),
+    ):
+        issue(c.cert_dir, role, name)
+    replica = c.replica_addrs["replica-1"]
+    nodes = c.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+    assert isinstance(nodes, cluster_pb2.ListNodesResponse)
+    node_a = next(n.node_service for n in nodes.nodes if n.name == "node-a")
+    whoami = cluster_pb2.WhoAmIRequest()
+    viewer_ch = _channel(c, "viewer", "revokee", replica)
+    agent_ch = _channel(c, "agent", "node-z", replica)
+    replica_ch = _channel(c, "replica", "replica-9", node_a, server_role="agent")
+    prom = tls_context(c.cert_dir, "monitoring", "prom-2")
+    metrics = [c.metrics_addrs["agent-node-a"], c.metrics_addrs["gateway-1"]]
+    calls: dict[str, Callable[[], object]] = {
+        "viewer WhoAmI": lambda: cluster_pb2_grpc.ClusterServiceStub(viewer_ch).WhoAmI(whoami, timeout=5),
+        "agent ListRevocations": lambda: security_pb2_grpc.SecurityServiceStub(agent_ch).ListRevocations(
+            security_pb2.ListRevocationsRequest(), timeout=5
+        ),
+        "replica cert at node-a's NodeService": lambda: agent_pb2_grpc.NodeServiceStub(replica_ch).Engines(
+            agent_pb2.EnginesRequest(), timeout=5
+        ),
+    }
+    for what, fn in calls.items():
+        assert _code(fn) == grpc.StatusCode.OK, what
+    assert [scrape(a, prom)[0] for a in metrics] == [200, 200]
+    assert _etcd_get(c, "kunlun-admin")
+    stream = workload_pb2_grpc.WorkloadServiceStub(viewer_ch).WatchEndpoints(
+        workload_pb2.WatchEndpointsRequest(), timeout=60
+    )
+    next(iter(stream))  # the first snapshot: the stream is open
+
+    full_9 = f"{certificate_serial(paths_for(c.cert_dir, 'replica', 'replica-9').cert):x}"
+    prom_serial = f"{certificate_serial(paths_for(c.cert_dir, 'monitoring', 'prom-2').cert):x}"
+    for target in ("viewer/revokee", "node-z", "etcd-client/kunlun-admin"):
+        r = cli(admin, "certs", "revoke", target, "--dir", str(c.cert_dir), "--reason", "test")
+        assert r.returncode == 0, r.stderr
+        assert "revoked" in r.stdout and "crl/etcd.crl" in r.stdout
+    for serial in (full_9, prom_serial):
+        r = cli(admin, "certs", "revoke", serial, "-o", "json")
+        assert r.returncode == 0 and json.loads(r.stdout)["serial"] == serial.lstrip("0"), r.stderr
+    bad = cli(admin, "certs", "revoke", "no-such-cert", "--dir", str(c.cert_dir))
+    assert bad.returncode != 0 and "no certificate named" in bad.stderr
+
+    took = {what: _wait_code(fn, grpc.StatusCode.UNAUTHENTICATED, what) for what, fn in calls.items()}
+    with pytest.raises(grpc.RpcError) as cut:
+        for _ in stream:
+            pass
+    assert cut.value.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in (cut.value.details() or "")
+    wait_for(
+        lambda: [scrape(a, prom)[0] for a in metrics] == [403, 403],
+        20,
+        "exporters refuse the revoked scraper",
+    )
+    detail = ""
+    try:
+        calls["viewer WhoAmI"]()
+    except grpc.RpcError as e:
+        detail = str(e)
+    assert "was revoked" in detail
+    print(f"\nrevocation enforced after: {', '.join(f'{k} {v:.1f}s' for k, v in took.items())}")
+
+    # etcd reads its CRL on each new connection: the admin certificate is refused, replicas' is not
+    c.distribute_crl()
+    assert not _etcd_get(c, "kunlun-admin")
+    assert _etcd_get(c, "kunlun")
+    # everyone else is untouched, and the revocations are in the audit log
+    assert (
+        _code(
+            lambda: cluster_pb2_grpc.ClusterServiceStub(_channel(c, "operator", "admin", replica)).WhoAmI(
+                whoami, timeout=5
+            )
+        )
+        == grpc.StatusCode.OK
+    )
+    objects = {
+        e["object"]
+        for e in audit(admin, "--identity", "operator:admin")
+        if e["action"] == "RevokeCertificate"
+    }
+    assert {"viewer/revokee", "agent/node-z", "etcd-client/kunlun-admin", full_9.lstrip("0")} <= objects
+    for ch in (viewer_ch, agent_ch, replica_ch):
+        ch.close()
 
 
 def test_audit_retention_keeps_the_newest_records_within_both_bounds(lc_cluster: LocalCluster) -> None:

@@ -15,6 +15,7 @@ from controlplane.fencing import node_problems, registered_nodes
 from controlplane.graph import load_nodes
 from controlplane.redact import workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
+from controlplane.scheduler.rolling import rolling_progress
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
 from controlplane.workloads import records
@@ -78,7 +79,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
             ii = insts.get(w.id, [])
             out.append(
                 workload_pb2.WorkloadSummary(
-                    workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+                    workload=workload_for(who, w),
+                    instances=ii,
+                    phase=records.workload_phase(w, ii),
+                    rolling=rolling_progress(w, ii),
                 )
             )
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
@@ -91,7 +95,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
         summary = workload_pb2.WorkloadSummary(
-            workload=workload_for(who, w), instances=ii, phase=records.workload_phase(w, ii)
+            workload=workload_for(who, w),
+            instances=ii,
+            phase=records.workload_phase(w, ii),
+            rolling=rolling_progress(w, ii),
         )
         placed = [i for i in ii if i.phase in PLACED_PHASES and i.target_devices]
         if placed:
@@ -174,6 +181,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         """Stream an instance's logs from its node (the agent's NodeService), through this replica."""
         w, _ = await records.resolve(self.store, request.name)
         insts = (await self._instances()).get(w.id, [])
+        # the baseline instance of that ordinal; during a rolling update the newest generation's
+        insts = sorted(insts, key=lambda i: (i.variant != "", i.retiring, -i.generation))
         inst = next((i for i in insts if i.ordinal == request.instance), None)
         if inst is None:
             raise NotFoundError(f"workload {request.name} has no instance {request.instance}")

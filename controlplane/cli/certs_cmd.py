@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from controlplane.cli.client import Client
 from controlplane.cli.output import print_json
+from kunlun_common.api import security_pb2, security_pb2_grpc
 from kunlun_common.errors import ConfigError
-from kunlun_common.pki import ROLES, ClusterCerts, init_cluster_certs, issue
+from kunlun_common.pki import (
+    ROLES,
+    ClusterCerts,
+    certificate_serial,
+    find_certificate,
+    init_cluster_certs,
+    issue,
+    write_crl,
+)
 
 
 def _csv(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -41,6 +51,21 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--name", required=True)
     s.add_argument("--hosts", help="SANs (addresses, host names)")
     s.set_defaults(handler=certs_issue)
+    r = csub.add_parser(
+        "revoke",
+        help="revoke a certificate: replicas refuse it at once, agents and gateways within seconds",
+        parents=[common],
+    )
+    r.add_argument(
+        "target", metavar="SERIAL|NAME", help="serial in hex, or ROLE/NAME (e.g. viewer/viewer) or NAME"
+    )
+    r.add_argument(
+        "--dir",
+        help="the `certs init` folder: resolves NAME there, and rewrites DIR/crl/etcd.crl (etcd's "
+        "--client-crl-file; needs DIR-ca-keys) with every revoked serial",
+    )
+    r.add_argument("--reason", default="", help="why (kept with the revocation)")
+    r.set_defaults(handler=certs_revoke)
 
 
 def host_map(entries: list[str]) -> dict[str, tuple[str, ...]]:
@@ -79,4 +104,65 @@ def certs_issue(args: argparse.Namespace) -> int:
         print_json({"cert": str(paths.cert), "key": str(paths.key), "ca": str(paths.ca)})
     else:
         print(f"issued {paths.cert}")
+    return 0
+
+
+def _is_serial(text: str) -> bool:
+    t = text.lower().removeprefix("0x").replace(":", "")
+    return len(t) >= 8 and all(c in "0123456789abcdef" for c in t)
+
+
+def resolve_target(client: Client, target: str, cert_dir: str | None) -> tuple[str, str]:
+    """SERIAL|NAME -> (serial hex, "role/name" or ""): a name from DIR when given, else from the
+    certificates the replicas have seen in use."""
+    if cert_dir and not _is_serial(target):
+        path = find_certificate(cert_dir, target)
+        return f"{certificate_serial(path):x}", f"{path.parent.name}/{path.stem}"
+    if _is_serial(target):
+        return target, ""
+    certs = client.call_stub(
+        security_pb2_grpc.SecurityServiceStub,
+        lambda s: s.ListCertificates,
+        security_pb2.ListCertificatesRequest(),
+    ).certificates
+    role, _, name = target.rpartition("/")
+    found = {(c.serial, f"{c.role}/{c.name}") for c in certs if c.name == name and role in ("", c.role)}
+    if len(found) != 1:
+        raise ConfigError(
+            f"{target!r}: {'no' if not found else 'more than one'} certificate of that name seen in use; "
+            "give its serial, or the certificate folder with --dir"
+        )
+    return next(iter(found))
+
+
+def certs_revoke(args: argparse.Namespace) -> int:
+    from controlplane.cli.main import make_client
+
+    client = make_client(args)
+    serial, name = resolve_target(client, args.target, args.dir)
+    resp = client.call_stub(
+        security_pb2_grpc.SecurityServiceStub,
+        lambda s: s.RevokeCertificate,
+        security_pb2.RevokeCertificateRequest(serial=serial, name=name, reason=args.reason),
+    )
+    crl = ""
+    if args.dir:
+        revoked = client.call_stub(
+            security_pb2_grpc.SecurityServiceStub,
+            lambda s: s.ListRevocations,
+            security_pb2.ListRevocationsRequest(),
+        ).revocations
+        crl = str(write_crl(args.dir, (int(r.serial, 16) for r in revoked)))
+    rev = resp.revocation
+    if args.output == "json":
+        print_json(
+            {"serial": rev.serial, "name": rev.name, "by": rev.by, "at_unix_ms": rev.at_unix_ms, "crl": crl}
+        )
+        return 0
+    print(f"revoked {rev.name or 'certificate'} serial {rev.serial} (replicas refuse it now)")
+    if crl:
+        print(
+            f"wrote {crl}: copy it to every etcd member's --client-crl-file (etcd reads it on each new "
+            "connection; no restart)"
+        )
     return 0

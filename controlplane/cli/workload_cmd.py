@@ -156,6 +156,8 @@ def instance_json(i: workload_pb2.Instance) -> dict[str, Any]:
         "ordinal": i.ordinal,
         "phase": i.phase,
         "reason": i.reason,
+        "generation": i.generation,
+        "retiring": i.retiring,
         "node": i.node,
         "target_devices": list(i.target_devices),
         "endpoint": i.endpoint,
@@ -182,6 +184,7 @@ def summary_json(s: workload_pb2.WorkloadSummary) -> dict[str, Any]:
         "id": w.id,
         "name": w.spec.name,
         "phase": s.phase,
+        "rolling": s.rolling,
         "instances": len(s.instances),
         "replicas": w.spec.replicas,
         "target": sorted(d for i in s.instances for d in i.target_devices),
@@ -236,6 +239,8 @@ def describe(args: argparse.Namespace) -> int:
         f"Name:        {d['name']}\nID:          {d['id']}\nPhase:       {d['phase']}\nGeneration:  {d['generation']}"
     )
     print(f"Created by:  {d['created_by']}   updated by: {d['updated_by']}")
+    if d["rolling"]:
+        print(f"Update:      {d['rolling']}")
     lb = d["load_balance"]
     if lb["devices"]:
         print(
@@ -244,11 +249,13 @@ def describe(args: argparse.Namespace) -> int:
         )
     print("Spec:")
     for k, v in d["spec"].items():
-        if v not in ("", 0, [], {}, False):
+        if v not in ("", 0, [], {}, False, None) or (v == 0 and k in ("max_surge", "max_unavailable")):
             print(f"  {k}: {v}")
     print("Instances:")
     for i in d["instance_details"]:
-        print(f"  {i['id']}  {i['phase']}  target_devices: [{', '.join(i['target_devices'])}]  {i['reason']}")
+        print(
+            f"  {i['id']}  {i['phase']}{' (retiring)' if i['retiring'] else ''}  gen {i['generation']}  target_devices: [{', '.join(i['target_devices'])}]  {i['reason']}"
+        )
         for node, why in i["unplaced_reasons"].items():
             print(f"      {node}: {why}")
         if i["endpoint"]:

@@ -101,9 +101,17 @@ def instance_id(workload_id: str, ordinal: int, revision: int, variant: str = ""
 
 
 def create_instance(
-    w: workload_pb2.Workload, w_kv: KV, ordinal: int, by: str, revision: int, variant: str = ""
+    w: workload_pb2.Workload,
+    w_kv: KV,
+    ordinal: int,
+    by: str,
+    revision: int,
+    variant: str = "",
+    successor: bool = False,
 ) -> Unit:
-    """A Pending instance named by `instance_id`."""
+    """A Pending instance named by `instance_id`. A `successor` (rolling update) lives beside the old
+    instance of its ordinal: it holds the ordinal's slot for its generation (`.../<n>/g<generation>`),
+    so one successor per ordinal and generation, whatever snapshot a tick decided from."""
     inst = workload_pb2.Instance(
         id=instance_id(w.id, ordinal, revision, variant),
         workload_id=w.id,
@@ -114,9 +122,11 @@ def create_instance(
         generation=w.generation,
         variant=variant,
     )
+    slot = keys.instance_slot(w.id, ordinal, variant)
+    if successor:
+        slot = inst.slot = f"{slot}/g{w.generation}"
     event(inst, InstancePhase.PENDING, by, "waiting for placement")
     key = keys.instance(inst.id)
-    slot = keys.instance_slot(w.id, ordinal, variant)
     return Unit(
         f"create {inst.id}",
         [Compare.absent(key), Compare.absent(slot)],
@@ -145,7 +155,7 @@ def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple
         [
             DeleteOp(kv.key),
             DeleteOp(keys.instance_status(inst.id)),
-            DeleteOp(keys.instance_slot(inst.workload_id, inst.ordinal, inst.variant)),
+            DeleteOp(inst.slot or keys.instance_slot(inst.workload_id, inst.ordinal, inst.variant)),
             *ops,
         ],
     )
@@ -179,8 +189,12 @@ def place_instance(
     generation: int,
     allocs: dict[str, tuple[str, KV]] | None = None,
     reason: str = "",
+    spec: workload_pb2.WorkloadSpec | None = None,
 ) -> Unit:
-    """Place (or move, when `allocs` holds its old allocations): each new device must still be free."""
+    """Place (or move, when `allocs` holds its old allocations): each new device must still be free.
+
+    `spec`: the spec it is placed with, recorded on the instance (replicas cleared) so that it keeps
+    running it through later spec changes until a rolling update replaces it; None keeps its own."""
     old_cmps: list[Compare] = []
     old_ops: list[Op] = []
     if allocs is not None:
@@ -192,6 +206,9 @@ def place_instance(
     new.target_devices.extend(devices)
     new.unplaced_reasons.clear()
     new.generation = generation
+    if spec is not None:
+        new.spec.CopyFrom(spec)
+        new.spec.ClearField("replicas")
     event(new, InstancePhase.SCHEDULED, by, reason or f"placed on {', '.join(devices)}")
     alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
     return Unit(
@@ -206,6 +223,21 @@ def place_instance(
             *old_ops,
             *(PutOp(keys.alloc(d), alloc_value) for d in devices),
         ],
+    )
+
+
+def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: str) -> Unit:
+    """Take a serving instance out of routing (a rolling update); its engine runs until removal."""
+    new = workload_pb2.Instance()
+    new.CopyFrom(inst)
+    new.retiring = True
+    new.reason = reason
+    new.history.append(workload_pb2.PhaseEvent(phase=new.phase, at_unix_ms=now_ms(), by=by, reason=reason))
+    del new.history[:-50]
+    return Unit(
+        f"retire {inst.id}",
+        [Compare.unchanged(kv.key, kv.mod_revision)],
+        [PutOp(kv.key, keys.encode_message(new))],
     )
 
 

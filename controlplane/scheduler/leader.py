@@ -31,6 +31,7 @@ from controlplane.scheduler.actions import (
 )
 from controlplane.scheduler.model import Placement
 from controlplane.scheduler.plan import schedule
+from controlplane.scheduler.rolling import rolling_units
 from controlplane.scheduler.snapshot import (
     SCHEDULING,
     ClusterState,
@@ -47,6 +48,9 @@ from kunlun_common.states import PLACED, DeviceState
 log = structlog.get_logger("scheduler")
 COMMITS_IN_FLIGHT = 16
 MAX_REASON_NODES = 32
+DRAIN_S = 2.0
+"""A retiring instance (rolling update) is out of routing this long before its engine is stopped:
+time for every gateway to hear of it and for requests in flight to finish."""
 DEBOUNCE_S = 0.1  # coalesce a burst of watch events (a registration storm) into one tick
 MAX_NOTES_PER_TICK = 512  # explanations of unplaced instances written per tick (placements go first)
 
@@ -80,6 +84,8 @@ class SchedulerLoop:
         self.by = f"scheduler@{replica}"
         self.unhealthy_since: dict[str, float] = {}
         self.not_ready_since: dict[str, float] = {}
+        self.retiring_since: dict[str, float] = {}
+        self.drain_s = DRAIN_S
         self.ticks = 0
         # the replica's metrics (controlplane/metrics.py), told about every tick's decisions
         self.metrics: ReplicaMetrics | None = None
@@ -91,6 +97,7 @@ class SchedulerLoop:
         process's monotonic clock, so a failover can only lengthen a grace, never shorten it."""
         self.unhealthy_since = {}
         self.not_ready_since = {}
+        self.retiring_since = {}
 
     async def run(self, fence: Fence) -> None:
         self.new_term()
@@ -112,8 +119,14 @@ class SchedulerLoop:
             await cache.stop()
 
     # ------------------------------------------------------------------ decisions
-    def lifecycle_units(self, st: ClusterState) -> list[Unit]:
-        """Instances to create or remove so each workload has `replicas` instances; deletions."""
+    def lifecycle_units(self, st: ClusterState, mono: float | None = None) -> list[Unit]:
+        """Instances to create or remove so each workload has `replicas` instances; rolling updates
+        (`rolling`); deletions. `mono`: this process's monotonic clock (drain periods)."""
+        mono = time.monotonic() if mono is None else mono
+        self.retiring_since = {
+            iid: self.retiring_since.get(iid, mono) for iid, (i, _) in st.instances.items() if i.retiring
+        }
+        drained = {iid for iid, t in self.retiring_since.items() if mono - t >= self.drain_s}
         units: list[Unit] = []
         by_workload: dict[str, list[tuple[int, str]]] = {}
         canaries: dict[str, list[tuple[int, str]]] = {}
@@ -144,6 +157,8 @@ class SchedulerLoop:
             for ordinal in range(want):
                 if ordinal not in have:
                     units.append(create_instance(w, wkv, ordinal, self.by, st.revision))
+            own = [st.instances[iid] for _, iid in by_workload.get(wid, [])]
+            units += rolling_units(w, wkv, own, st.statuses, st.allocs, drained, self.by, st.revision)
             for ordinal, iid in by_workload.get(wid, []):
                 if ordinal >= want:
                     inst, kv = st.instances[iid]
@@ -222,9 +237,12 @@ class SchedulerLoop:
             ]
             if bad and not reason:
                 reason = f"Rescheduled: device {bad[0]} Unhealthy"
-            if not reason and inst.generation and inst.generation != generation:
-                reason = f"Rescheduled: spec updated to generation {generation}"
-            if reason:
+            if not reason:
+                continue  # a spec change replaces instances by a rolling update (`rolling`), not here
+            if inst.retiring or (not inst.variant and inst.generation and inst.generation != generation):
+                # an old instance is not moved: its successor (rolling update) takes the ordinal
+                units.append(remove_instance(inst, kv, st.allocs))
+            else:
                 units.append(release_instance(inst, kv, st.allocs, self.by, reason))
         return units
 
@@ -318,8 +336,9 @@ class SchedulerLoop:
 
     def _place(self, st: ClusterState, p: Placement) -> Unit:
         inst, kv = st.instances[p.instance_id]
-        gen = st.workloads[inst.workload_id][0].generation
-        return place_instance(inst, kv, p.node, p.devices, self.by, gen)
+        w = st.workloads[inst.workload_id][0]
+        spec = None if inst.variant else w.spec  # a canary's spec comes from its rollout
+        return place_instance(inst, kv, p.node, p.devices, self.by, w.generation, spec=spec)
 
     # ------------------------------------------------------------------ commit
     async def tick(self, fence: Fence, cache: GraphCache) -> int:

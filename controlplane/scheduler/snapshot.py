@@ -38,6 +38,9 @@ class ClusterState:
     instances: dict[str, tuple[workload_pb2.Instance, KV]] = field(default_factory=dict)
     allocs: dict[str, tuple[str, KV]] = field(default_factory=dict)
     rollouts: dict[str, rollout_pb2.Rollout] = field(default_factory=dict)  # by workload id
+    statuses: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Per instance id: (node, phase) its agent last reported (observed state; rolling updates wait
+    for Running)."""
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     config_error: str = ""
     views: dict[str, tuple[object, ...]] = field(default_factory=dict)
@@ -76,8 +79,8 @@ class IncrementalState:
         self._telemetry_raw: dict[str, KV] = {}
         self._telemetry_dirty: set[str] = set()
         self._views: dict[str, tuple[object, ...]] = {}
-        if cache is not None:
-            cache.listen((*SCHEDULING, keys.TELEMETRY), self)
+        if cache is not None:  # instance statuses are kept current but do not wake the loop
+            cache.listen((*SCHEDULING, keys.TELEMETRY, keys.INSTANCE_STATUS), self)
 
     def reset(self, kvs: Mapping[str, KV]) -> None:
         self.st = ClusterState(revision=0)
@@ -102,6 +105,19 @@ class IncrementalState:
                 st.alive.discard(name)
             else:
                 st.alive.add(name)
+            return
+        if key.startswith(keys.INSTANCE_STATUS):
+            if kv is None:
+                st.statuses.pop(name, None)
+            else:
+                try:
+                    data = keys.decode(kv.value)
+                except ValueError:  # written by replicas; never crash the leader on one
+                    st.statuses.pop(name, None)
+                    return
+                status = data.get("status", {})
+                phase = str(status.get("phase", "")) if isinstance(status, dict) else ""
+                st.statuses[name] = (str(data.get("node", "")), phase)
             return
         if work is not None:
             work.decodes += 1 if kv is not None else 0
@@ -171,6 +187,7 @@ class IncrementalState:
             instances=dict(st.instances),
             allocs=dict(st.allocs),
             rollouts=dict(st.rollouts),
+            statuses=dict(st.statuses),
             config=st.config,
             config_error=st.config_error,
             views=self._views,
@@ -210,6 +227,7 @@ def workload_req(w: workload_pb2.Workload) -> WorkloadReq:
         preferred_device_types=tuple(s.preferred_device_types),
         pin=s.pin or None,
         require_p2p=s.require_p2p,
+        engine=s.engine or "sglang",
     )
 
 

@@ -6,7 +6,7 @@ import uuid
 
 from controlplane import keys
 from controlplane.store import KV, Compare, EtcdStore, PutOp
-from controlplane.workloads.spec import spec_json
+from controlplane.workloads.spec import same_engine_spec, spec_json
 from kunlun_common.api import workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import NotFoundError, PermanentError, TemporaryError
@@ -106,14 +106,14 @@ async def submit(
             raise PermanentError(f"workload {spec.name!r} is being deleted; submit again once it is gone")
         if spec_json(w.spec) == spec_json(spec):
             return w, "unchanged"
+        new_generation = not same_engine_spec(w.spec, spec)
         w.spec.CopyFrom(spec)
-        w.generation += 1
         w.updated_by = who
+        if new_generation:  # replaced by a rolling update (controlplane/scheduler/rolling.py)
+            w.generation += 1
+        why = f"generation {w.generation}" if new_generation else "replicas/rolling settings only"
         add_history(
-            w,
-            workload_pb2.PhaseEvent(
-                phase=WorkloadChange.UPDATED, at_unix_ms=now_ms(), by=who, reason=f"generation {w.generation}"
-            ),
+            w, workload_pb2.PhaseEvent(phase=WorkloadChange.UPDATED, at_unix_ms=now_ms(), by=who, reason=why)
         )
         res = await store.txn(
             [Compare.unchanged(kv.key, kv.mod_revision)], [PutOp(kv.key, encode_checked(w))]

@@ -115,9 +115,32 @@ def validate(spec: workload_pb2.WorkloadSpec) -> list[str]:
         p.append(
             f"package: {spec.package!r} is not NAME@sha256:DIGEST; copy it from `kunlun-cli model inspect PKG`"
         )
+    p += rolling_problems(spec)
     for k in spec.env:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
             p.append(f"env: {k!r} is not a valid variable name")
+    return p
+
+
+def rolling_problems(spec: workload_pb2.WorkloadSpec) -> list[str]:
+    """max_surge / max_unavailable (README "Rolling updates"): in range, and able to make progress."""
+    p: list[str] = []
+    surge = spec.max_surge if spec.HasField("max_surge") else None
+    unavailable = spec.max_unavailable if spec.HasField("max_unavailable") else None
+    for name, v in (("max_surge", surge), ("max_unavailable", unavailable)):
+        if v is not None and not 0 <= v <= MAX_REPLICAS:
+            p.append(f"{name}: expected 0..{MAX_REPLICAS}, found {v}")
+    if surge == 0 and unavailable == 0:
+        p.append(
+            "max_surge, max_unavailable: both 0 would never replace an instance after a spec change; "
+            "set max_surge (start new instances first) or max_unavailable (stop old ones first) to 1"
+        )
+    m = PIN_RE.match(spec.pin) if spec.pin else None
+    if m and m["index"] is not None and unavailable == 0:
+        p.append(
+            "max_unavailable: 0 cannot work with a pin to one device (the new instance needs the old "
+            "one's device); set max_unavailable: 1 or leave it unset"
+        )
     return p
 
 
@@ -180,4 +203,19 @@ def spec_json(spec: workload_pb2.WorkloadSpec) -> dict[str, Any]:
         "engine_args": list(spec.engine_args),
         "env": dict(spec.env),
         "package": spec.package,
+        "max_surge": spec.max_surge if spec.HasField("max_surge") else None,
+        "max_unavailable": spec.max_unavailable if spec.HasField("max_unavailable") else None,
     }
+
+
+RUNTIME_FIELDS = ("replicas", "max_surge", "max_unavailable")
+"""Fields whose change starts no new generation: no instance has to be replaced for them."""
+
+
+def same_engine_spec(a: workload_pb2.WorkloadSpec, b: workload_pb2.WorkloadSpec) -> bool:
+    """Equal except for `RUNTIME_FIELDS`: the running instances can stay as they are."""
+    ja, jb = spec_json(a), spec_json(b)
+    for f in RUNTIME_FIELDS:
+        ja.pop(f)
+        jb.pop(f)
+    return ja == jb

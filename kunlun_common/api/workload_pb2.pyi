@@ -62,6 +62,8 @@ class WorkloadSpec(_message.Message):
     ENGINE_ARGS_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     PACKAGE_FIELD_NUMBER: _builtins.int
+    MAX_SURGE_FIELD_NUMBER: _builtins.int
+    MAX_UNAVAILABLE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name; commands accept the name or the generated id."""
     model: _builtins.str
@@ -92,6 +94,14 @@ class WorkloadSpec(_message.Message):
     package: _builtins.str
     """Offline model package "NAME@sha256:DIGEST" (docs/kunlunpkg.md): the agent verifies it and
     launches from its unpacked folder instead of `model`. Empty: `model` as given.
+    """
+    max_surge: _builtins.int
+    """Rolling replacement on a spec change (README "Rolling updates"): at most this many instances
+    above `replicas` while old ones are replaced (unset: 1).
+    """
+    max_unavailable: _builtins.int
+    """... and at most this many below `replicas` serving (unset: 0, or 1 when max_surge is 0 or when
+    no capacity is left for a surge instance).
     """
     @_builtins.property
     def preferred_device_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -126,12 +136,21 @@ class WorkloadSpec(_message.Message):
         engine_args: _abc.Iterable[_builtins.str] | None = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         package: _builtins.str = ...,
+        max_surge: _builtins.int | None = ...,
+        max_unavailable: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "max_concurrency", b"max_concurrency", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "package", b"package", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "max_concurrency", b"max_concurrency", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "package", b"package", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_surge: _TypeAlias = _typing.Literal["max_surge"]  # noqa: Y015
+    _WhichOneofArgType__max_surge: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge"]  # noqa: Y015
+    _WhichOneofReturnType__max_unavailable: _TypeAlias = _typing.Literal["max_unavailable"]  # noqa: Y015
+    _WhichOneofArgType__max_unavailable: _TypeAlias = _typing.Literal["_max_unavailable", b"_max_unavailable"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_surge) -> _WhichOneofReturnType__max_surge | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_unavailable) -> _WhichOneofReturnType__max_unavailable | None: ...
 
 Global___WorkloadSpec: _TypeAlias = WorkloadSpec  # noqa: Y015
 
@@ -286,6 +305,9 @@ class Instance(_message.Message):
     PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     VARIANT_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    RETIRING_FIELD_NUMBER: _builtins.int
+    SLOT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     workload_id: _builtins.str
     workload: _builtins.str
@@ -309,6 +331,15 @@ class Instance(_message.Message):
     first_token_ms: _builtins.float
     variant: _builtins.str
     """"" for the workload's baseline spec, "canary" for an instance of its rollout's canary model."""
+    retiring: _builtins.bool
+    """Set by the scheduler when a rolling update takes this instance out of service: gateways stop
+    routing to it at once, and it is removed (its engine stopped) after the drain period.
+    """
+    slot: _builtins.str
+    """The instance-slots key this incarnation holds (controlplane/keys.py); empty: its ordinal's
+    (`instance-slots/<workload id>/<ordinal>`). A rolling update's successor, alive beside the old
+    instance of its ordinal, holds `.../<ordinal>/g<generation>`.
+    """
     @_builtins.property
     def target_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """`<node>/<type>:<index>` of every device it holds."""
@@ -325,6 +356,13 @@ class Instance(_message.Message):
     def launch_env_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def launch_device_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def spec(self) -> Global___WorkloadSpec:
+        """The spec this instance was placed with (set by the scheduler at placement; replicas cleared):
+        during a rolling update the old instances keep running theirs. Unset (older records): the
+        workload's current spec.
+        """
+
     def __init__(
         self,
         *,
@@ -352,10 +390,13 @@ class Instance(_message.Message):
         prepare_seconds: _builtins.float = ...,
         first_token_ms: _builtins.float = ...,
         variant: _builtins.str = ...,
+        spec: Global___WorkloadSpec | None = ...,
+        retiring: _builtins.bool = ...,
+        slot: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "seq", b"seq", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "retiring", b"retiring", "seq", b"seq", "slot", b"slot", "spec", b"spec", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -438,8 +479,13 @@ class WorkloadSummary(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
     LOAD_BALANCE_FIELD_NUMBER: _builtins.int
+    ROLLING_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     """Derived: "Pending", "Scheduled", "Running", "Degraded", "Deleting"."""
+    rolling: _builtins.str
+    """Derived while instances of an older generation remain: e.g. "rolling: 2/3 updated, 3 serving
+    (max surge 1, max unavailable 0)"; empty otherwise.
+    """
     @_builtins.property
     def workload(self) -> Global___Workload: ...
     @_builtins.property
@@ -455,10 +501,11 @@ class WorkloadSummary(_message.Message):
         instances: _abc.Iterable[Global___Instance] | None = ...,
         phase: _builtins.str = ...,
         load_balance: Global___LoadBalance | None = ...,
+        rolling: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load_balance", b"load_balance", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "load_balance", b"load_balance", "phase", b"phase", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "load_balance", b"load_balance", "phase", b"phase", "rolling", b"rolling", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
