@@ -79,6 +79,13 @@ PACKAGES = ROOT + "packages/"
 PACKAGE_TRUST = ROOT + "package-trust/"
 SCHEMA = 1
 
+NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS)
+"""Per-process and per-term keys a restore from backup never writes back (most are also bound to
+leases, which a backup leaves out anyway): a restored cluster elects its leader afresh, replicas
+and gateways register again, and nodes are alive again once their agents reconnect."""
+LIVE_MARKERS = (LEADER, REPLICAS)
+"""Keys that exist only while replicas run against the cluster (bound to their leases)."""
+
 
 def replica(name: str) -> str:
     return REPLICAS + name
