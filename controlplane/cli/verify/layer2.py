@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, test_workload
@@ -15,6 +16,7 @@ from controlplane.cli.verify.common import (
     free_ready,
     metrics_evidence,
     pct,
+    text_table,
     workload_evidence,
 )
 from controlplane.cli.verify.deploy import deploy
@@ -28,6 +30,10 @@ FIRST_TOKEN_LIMIT_MS = 500.0
 TOOL_AGREEMENT_PCT = 10.0
 """Platform and vendor tool utilization may differ by this many points (samples are up to a health
 interval apart)."""
+MATCH_S = 2.0
+"""A tool reading and a platform sample at most this far apart are of the same moment."""
+MAX_PAIRS = 6
+"""Tool readings taken at most (half during the burst, the rest after it until one agrees)."""
 SETTLE_S = 3.0
 """Seconds sampled before and after a burst (telemetry arrives a heartbeat later)."""
 
@@ -65,28 +71,62 @@ def choose_device(api: Api, opts: Options, r: LayerResult) -> str | None:
     return free[0].device
 
 
-def compare_with_tool(api: Api, device: str) -> tuple[float, float, float, list[Evidence]]:
-    """(platform %, tool %, sample age s, evidence) for `device`, taken back to back."""
-    node = parse_device_name(device).node
-    flt = f"device=={device}"
-    rows = api.metrics(flt)
-    reading = api.tool_reading(node)
-    now_ms = time.time() * 1000
-    platform = rows[0].utilization * 100 if rows else -1.0
-    age = (now_ms - rows[0].sampled_at_unix_ms) / 1000 if rows and rows[0].sampled_at_unix_ms else -1.0
-    tool = -1.0
-    evs = [metrics_evidence(rows, flt)]
+@dataclass
+class Pair:
+    """The vendor tool's reading of a card and the platform's sample of about the same moment."""
+
+    tool: float
+    platform: float
+    gap_s: float
+    """Seconds between the two samples (the platform's agent samples on its own cadence)."""
+    evidence: list[Evidence]
+
+    @property
+    def matched(self) -> bool:
+        return self.tool >= 0 and self.platform >= 0 and abs(self.gap_s) <= MATCH_S
+
+
+def compare_with_tool(api: Api, device: str) -> Pair:
+    """Run the tool on the card's node now, then take the platform's first sample of that moment."""
+    name = parse_device_name(device)
+    reading = api.tool_reading(name.node)
+    tool, tool_at, evs = -1.0, 0, []
     for rd in reading.readings:
-        if rd.device_type != parse_device_name(device).device_type:
+        if rd.device_type != name.device_type:
             continue
         tool = next((td.utilization_pct for td in rd.devices if td.name == device), -1.0)
+        tool_at = rd.sampled_at_unix_ms
         evs.append(
             evidence(
-                f"{' '.join(rd.command)}   (on {node}, via kunlun.v1.LedgerService/NodeToolReading)",
+                f"{' '.join(rd.command)}   (on {name.node}, via kunlun.v1.LedgerService/NodeToolReading)",
                 rd.raw_output if not rd.error else rd.error,
             )
         )
-    return platform, tool, age, evs
+    flt = f"device=={device}"
+    deadline = time.monotonic() + 2 * MATCH_S
+    while True:  # the platform's sample taken after the tool's, or the newest one within the wait
+        rows = api.metrics(flt)
+        at = rows[0].sampled_at_unix_ms if rows else 0
+        if not tool_at or at >= tool_at or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    platform = rows[0].utilization * 100 if rows and at else -1.0
+    gap = (at - tool_at) / 1000 if at and tool_at else float("inf")
+    return Pair(tool, platform, gap, [metrics_evidence(rows, flt), *evs])
+
+
+def _pairs_table(pairs: list[Pair]) -> Evidence:
+    return evidence(
+        "kunlun-cli verify (vendor tool reading, then the platform's sample of that moment)",
+        text_table(
+            ["TOOL", "PLATFORM", "GAP", "MATCHED"],
+            [(pct(p.tool), pct(p.platform), f"{p.gap_s:.1f} s", "yes" if p.matched else "no") for p in pairs],
+        ),
+    )
+
+
+def _agree(p: Pair) -> bool:
+    return abs(p.platform - p.tool) <= TOOL_AGREEMENT_PCT
 
 
 def run(api: Api, opts: Options) -> LayerResult:
@@ -139,22 +179,17 @@ def run(api: Api, opts: Options) -> LayerResult:
             name="verify-burst",
         )
         burst.start()
-        best: tuple[float, float, float, list[Evidence]] | None = None
-        time.sleep(1.5)
-        for _ in range(3):  # two readings as close in time as we can get, while the load holds
-            if not burst.is_alive():
-                break
-            got = compare_with_tool(api, device)
-            if best is None or abs(got[0] - got[1]) < abs(best[0] - best[1]):
-                best = got
-            time.sleep(0.5)
+        pairs: list[Pair] = []
+        time.sleep(1.0)
+        while burst.is_alive() and len(pairs) < MAX_PAIRS // 2:  # under load
+            pairs.append(compare_with_tool(api, device))
         burst.join()
         t1 = sampler.mark("burst end")
-        if best is None:
-            best = compare_with_tool(api, device)
+        while len(pairs) < MAX_PAIRS and not any(p.matched and _agree(p) for p in pairs):
+            pairs.append(compare_with_tool(api, device))
         time.sleep(SETTLE_S)
     r.utilization, r.marks = list(sampler.series.values()), sampler.marks
-    b = result[0]
+    b = result[0] if result else BurstResult(errors=["the burst did not finish"])
     r.latencies_ms = b.latencies_ms
     during = sampler.values(device, t0, t1 + SETTLE_S)
     before = max(idle, default=0.0)
@@ -170,13 +205,19 @@ def run(api: Api, opts: Options) -> LayerResult:
         ),
         metrics_evidence(api.metrics(f"device=={device}"), f"device=={device}"),
     )
-    platform, tool, age, evs = best
+    matched = [p for p in pairs if p.matched]
+    best = min(matched, key=lambda p: abs(p.platform - p.tool), default=None)
     r.add(
         "platform utilization vs the vendor tool",
-        f"platform {pct(platform)} ({f'sample {age:.1f} s old' if age >= 0 else 'no sample'}), "
-        f"tool {pct(tool) if tool >= 0 else 'no reading'}",
+        (
+            f"platform {pct(best.platform)}, tool {pct(best.tool)} ({best.gap_s:.1f} s apart; "
+            f"{len(matched)} of {len(pairs)} readings matched in time)"
+            if best
+            else f"no platform sample within {MATCH_S:.0f} s of a tool reading ({len(pairs)} tried)"
+        ),
         f"within {TOOL_AGREEMENT_PCT:.0f} points",
-        platform >= 0 and tool >= 0 and abs(platform - tool) <= TOOL_AGREEMENT_PCT,
-        *evs,
+        best is not None and _agree(best),
+        _pairs_table(pairs),
+        *(best or (pairs[-1] if pairs else Pair(-1, -1, 0, []))).evidence,
     )
     return r
