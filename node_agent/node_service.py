@@ -27,6 +27,7 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import ConfigError
+from kunlun_common.reload import LiveTls
 from kunlun_common.revocation import RevokedSerials
 from node_agent.assignment_check import id_problem
 from node_agent.executor import ledger
@@ -204,8 +205,9 @@ def tool_reading(plugin: VendorPlugin, sample: ToolSample) -> agent_pb2.ToolRead
 class NodeServiceServer:
     """The NodeService gRPC server of one agent."""
 
-    def __init__(self, material: tls.TlsMaterial, servicer: NodeServiceServicer) -> None:
-        self.material = material
+    def __init__(self, material: tls.TlsMaterial | LiveTls, servicer: NodeServiceServicer) -> None:
+        self.live = material if isinstance(material, LiveTls) else LiveTls(material)
+        """The agent's certificate; a reload (SIGHUP) reaches new connections."""
         self.servicer = servicer
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -215,7 +217,7 @@ class NodeServiceServer:
         server = grpc.aio.server()
         agent_pb2_grpc.add_NodeServiceServicer_to_server(self.servicer, server)
         try:
-            port = server.add_secure_port(listen, tls.server_credentials(self.material, clients="replica"))
+            port = server.add_secure_port(listen, self.live.server_credentials(clients="replica"))
         except RuntimeError as e:
             raise ConfigError(f"node service: cannot listen on {listen} ({e}); is the port in use?") from None
         if not port:

@@ -63,6 +63,10 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.PackageService/PushPackage": WRITERS,
     "/kunlun.v1.PackageService/ListPackages": (*READERS, "agent"),
     "/kunlun.v1.PackageService/DeletePackage": WRITERS,
+    # agents: only packages their node's assignments name (controlplane/package_pull.py)
+    "/kunlun.v1.PackageService/PullPackage": ("operator", "replica", "agent"),
+    "/kunlun.v1.PackageService/GetPackagePolicy": (*READERS, "agent"),
+    "/kunlun.v1.PackageService/SetPackagePolicy": WRITERS,
     "/kunlun.v1.EndpointService/PutEndpoint": WRITERS,
     "/kunlun.v1.EndpointService/GetEndpoint": READERS,
     "/kunlun.v1.EndpointService/ListEndpoints": READERS,

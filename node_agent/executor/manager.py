@@ -140,6 +140,11 @@ class ExecutorManager:
         self._wake.set()
         return True
 
+    def packages_in_use(self) -> set[str]:
+        """Hex digests of the packages the assigned instances (and the running workers) name."""
+        specs = [a.spec for a in self.desired.values()] + [w.assignment.spec for w in self.workers.values()]
+        return {s.package.rsplit(":", 1)[-1] for s in specs if s.package}
+
     def instance_dir(self, instance_id: str) -> Path | None:
         """The dir of an instance on this node (for its logs), or None."""
         if not _ID_RE.match(instance_id):

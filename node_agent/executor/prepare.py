@@ -46,6 +46,7 @@ from kunlun_common.names import parse_device_name
 from node_agent.executor import packages
 from node_agent.executor.cgroups import CgroupLimits
 from node_agent.executor.launch_plan import EngineRequest, LaunchPlan, LaunchSettings, build_launch_plan
+from node_agent.executor.package_cache import CacheFull, PackageCache, PullFailed
 from node_agent.executor.sandbox import SandboxSettings, build_env
 from node_agent.executor.supervisor_api import SupervisorSpec
 from node_agent.plugins.contract import AllocateResult, DevicePlugin
@@ -97,6 +98,9 @@ class NodeContext:
     """The node's devices now."""
     plugin: Callable[[str], DevicePlugin | None]
     """The plugin serving a device type now."""
+    package_cache: PackageCache | None = None
+    """The node's package cache (pulls through the control plane); None: packages only from the
+    node's `packages/incoming/` folder, checked with the agent's own flags."""
 
 
 @dataclass(frozen=True)
@@ -214,21 +218,36 @@ def _engine_request(
     )
 
 
-async def package_for(ctx: NodeContext, a: agent_pb2.Assignment) -> packages.Unpacked:
-    """The verified, unpacked model package of the spec (see packages.py); refused: Failed for good."""
+async def package_for(
+    ctx: NodeContext, a: agent_pb2.Assignment, progress: Callable[[str], None]
+) -> packages.Unpacked:
+    """The verified, unpacked model package of the spec (see packages.py, package_cache.py); refused:
+    Failed for good; not pullable now or no room in the cache: retried after a back-off."""
     s = ctx.settings
+    what = f"package {a.spec.package[:40]}…"
     try:
+        if ctx.package_cache is not None:
+            return await ctx.package_cache.resolve(a.spec.package, progress)
         return await packages.resolve(
             ctx.instances_dir, a.spec.package, s.trusted_keys_dir, s.require_signed_packages
         )
+    except (PullFailed, CacheFull) as e:
+        raise PrepareError(f"{what}: {e}", permanent=False) from None
     except (packages.PackageRefused, KunlunError) as e:
-        raise PrepareError(f"package {a.spec.package[:40]}…: {e}", permanent=True) from None
+        raise PrepareError(f"{what}: {e}", permanent=True) from None
 
 
-async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int) -> Prepared:
-    """Allocate the devices and build the supervisor spec of one start (raises PrepareError)."""
+async def prepare(
+    ctx: NodeContext,
+    a: agent_pb2.Assignment,
+    preferred_port: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Prepared:
+    """Allocate the devices and build the supervisor spec of one start (raises PrepareError);
+    `progress` is told what takes time (a package pull) in words."""
     s = ctx.settings
     device_type, devs = _devices(ctx, list(a.devices))
+    pkg = await package_for(ctx, a, progress) if a.spec.package else None  # before any device is touched
     plugin = ctx.plugin(device_type)
     if plugin is None:
         raise PrepareError(
@@ -245,7 +264,6 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
         raise PrepareError(f"device plugin {plugin.name} failed to allocate: {e}", permanent=False) from None
     port = await asyncio.to_thread(pick_port, ctx.address, preferred_port)
     req = _engine_request(a, device_type, devs, alloc, ctx.address, port)
-    pkg = await package_for(ctx, a) if a.spec.package else None
     if pkg is not None:
         req = replace(req, model=str(pkg.model_dir))
     try:
