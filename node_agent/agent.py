@@ -16,6 +16,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
+from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
@@ -87,6 +88,8 @@ class Agent:
         self.config = config or load_config(settings.config_path)
         paths = paths_for(settings.cert_dir, "agent", self.config.node_name)
         self.tls = tls.load_tls(paths, expect_roles=("agent",))
+        self.live_tls = LiveTls(self.tls, expect_roles=("agent",))
+        self.live_tls.on_reload(self._reloaded)
         if self.tls.identity.name != self.config.node_name:
             raise ConfigError(
                 f"{paths.cert}: certificate is for node {self.tls.identity.name!r} but {settings.config_path} "
@@ -140,11 +143,12 @@ class Agent:
         )
         self.revoked = revocation.RevokedSerials()
         self.node_service = NodeServiceServer(
-            self.tls,
+            self.live_tls,
             NodeServiceServicer(
                 self.config.node_name,
                 self.executor.instance_dir,
                 ledger.ledger_path(self.state_dir),
+                plugins=lambda: list(self.devices.plugins.values()),
                 revoked=self.revoked,
             ),
         )
@@ -163,6 +167,14 @@ class Agent:
             reports=self.executor.report,
             report_changed=self.executor.changed,
         )
+
+    def _reloaded(self, material: tls.TlsMaterial) -> None:
+        """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
+        at the NodeService and the exporter use the new certificate; the open stream carries on."""
+        self.tls = material
+        self.link.creds = tls.channel_credentials(material)
+        if self.metrics is not None:
+            self.metrics.reload(material)
 
     def _registration(self) -> agent_pb2.RegisterNode:
         reg = registration(
@@ -278,6 +290,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.live_tls.reload)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
