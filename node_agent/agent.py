@@ -16,10 +16,13 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
+from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
 from node_agent.executor.manager import ExecutorManager
+from node_agent.executor.package_cache import PackageCache
+from node_agent.executor.package_pull import PackagePuller, PullSettings
 from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
 from node_agent.executor.sandbox import (
@@ -85,6 +88,8 @@ class Agent:
         self.config = config or load_config(settings.config_path)
         paths = paths_for(settings.cert_dir, "agent", self.config.node_name)
         self.tls = tls.load_tls(paths, expect_roles=("agent",))
+        self.live_tls = LiveTls(self.tls, expect_roles=("agent",))
+        self.live_tls.on_reload(self._reloaded)
         if self.tls.identity.name != self.config.node_name:
             raise ConfigError(
                 f"{paths.cert}: certificate is for node {self.tls.identity.name!r} but {settings.config_path} "
@@ -99,6 +104,17 @@ class Agent:
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.protections = detect_protections()
         require_protections(self.protections, settings.executor.allow_unsandboxed)
+        ex = settings.executor
+        package_cache = PackageCache(
+            root=state_dir.resolve() / "packages",
+            limit_bytes=ex.package_cache_mb * 2**20,
+            puller=PackagePuller(
+                settings.endpoints, self.tls, PullSettings(rate_bytes_s=ex.package_pull_rate_mb_s * 2**20)
+            ),
+            in_use=lambda: self.executor.packages_in_use(),
+            require_signed=ex.require_signed_packages,
+            trusted_keys_dir=ex.trusted_keys_dir,
+        )
         ctx = NodeContext(
             node=self.config.node_name,
             address=self.config.address,
@@ -111,6 +127,7 @@ class Agent:
             or self.protections.cgroup_cpu,
             devices=self.devices.devices,
             plugin=self.devices.plugin,
+            package_cache=package_cache,
         )
         self.executor = ExecutorManager(
             ctx,
@@ -121,11 +138,12 @@ class Agent:
         )
         self.revoked = revocation.RevokedSerials()
         self.node_service = NodeServiceServer(
-            self.tls,
+            self.live_tls,
             NodeServiceServicer(
                 self.config.node_name,
                 self.executor.instance_dir,
                 ledger.ledger_path(self.state_dir),
+                plugins=lambda: list(self.devices.plugins.values()),
                 revoked=self.revoked,
             ),
         )
@@ -144,6 +162,14 @@ class Agent:
             reports=self.executor.report,
             report_changed=self.executor.changed,
         )
+
+    def _reloaded(self, material: tls.TlsMaterial) -> None:
+        """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
+        at the NodeService and the exporter use the new certificate; the open stream carries on."""
+        self.tls = material
+        self.link.creds = tls.channel_credentials(material)
+        if self.metrics is not None:
+            self.metrics.reload(material)
 
     def _registration(self) -> agent_pb2.RegisterNode:
         reg = registration(
@@ -259,6 +285,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.live_tls.reload)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:

@@ -106,7 +106,20 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     p.add_argument(
         "--require-signed-packages",
         action="store_true",
-        help="launch from a model package only when signed by a key in --trusted-keys",
+        help="launch from a model package only when signed by a trusted key (--trusted-keys and the "
+        "cluster's; the cluster policy `model policy set --require-signed-packages` does the same everywhere)",
+    )
+    p.add_argument(
+        "--package-cache-mb",
+        type=int,
+        default=ExecutorSettings.package_cache_mb,
+        help="most MiB of model packages kept on the node (unused ones are evicted, least recently used first)",
+    )
+    p.add_argument(
+        "--package-pull-rate-mb",
+        type=float,
+        default=ExecutorSettings.package_pull_rate_mb_s,
+        help="most MiB/s one package pull from the control plane takes (0: no cap)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -138,6 +151,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         from kunlun_common.metrics_http import split_listen
 
         split_listen(a.metrics_listen, "--metrics-listen")
+    if a.package_cache_mb < 0 or a.package_pull_rate_mb < 0:
+        raise ConfigError("--package-cache-mb and --package-pull-rate-mb must not be negative (0: no limit)")
     if a.stop_grace < 0:
         raise ConfigError(f"--stop-grace must not be negative, got {a.stop_grace}")
     if not a.health_path.startswith("/"):
@@ -161,6 +176,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         stop_engines_on_exit=a.stop_engines_on_exit,
         require_signed_packages=a.require_signed_packages,
         trusted_keys_dir=a.trusted_keys,
+        package_cache_mb=a.package_cache_mb,
+        package_pull_rate_mb_s=a.package_pull_rate_mb,
     )
     state_dir = a.state_dir or os.path.join(
         "/var/lib/kunlun-agent", os.path.basename(a.config).rsplit(".", 1)[0]

@@ -47,9 +47,15 @@ class ExecutorSettings:
     stop_engines_on_exit: bool = False
     """Stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them for the next agent)."""
     require_signed_packages: bool = False
-    """Launch from a model package only when its signature verifies with a key in trusted_keys_dir."""
+    """Launch from a model package only when its signature verifies with a trusted key (those in
+    trusted_keys_dir and the cluster's); the cluster policy can require it on every node."""
     trusted_keys_dir: str = ""
     """Folder of trusted Ed25519 public keys (*.pub) for packages (and signed declarations)."""
+    package_cache_mb: int = 100 * 1024
+    """Most MiB of model packages (unpacked, and pulls in progress) kept on the node; unused ones are
+    evicted least recently used first; 0: no limit."""
+    package_pull_rate_mb_s: float = 0.0
+    """Most MiB/s one package pull from the control plane receives; 0: no cap."""
     cgroup_parent: str = "kunlun"
     """Parent cgroup; instances live in `<parent>/<node>/<instance_id>` of each hierarchy."""
 

@@ -22,7 +22,7 @@ PIN_RE = re.compile(r"^((?P<node>[a-z0-9][a-z0-9-]*)/)?(?P<type>[a-z]+)(:(?P<ind
 QUANTIZATIONS = ("none", "w8a8", "int8", "fp8", "int4", "awq", "gptq")
 DTYPES = ("auto", "fp16", "bf16", "fp32")
 PRIORITIES = ("high", "normal", "low")
-ENGINES = ("sglang", "template")
+ENGINES = ("sglang", "template", "test")
 FENCING = ("", "strict", "available")
 """`fencing` values ("" is strict)."""
 FIELDS = [f.name for f in workload_pb2.WorkloadSpec.DESCRIPTOR.fields]
