@@ -78,7 +78,6 @@ def bounded_reasons(reasons: dict[str, str]) -> dict[str, str]:
     return out
 
 
-
 def mass_not_ready(st: ClusterState, fraction: float) -> str:
     """Why moves off NotReady nodes are paused for `fencing: available` instances ("" if not):
     at least `fraction` of the known nodes, and at least two, are without their liveness lease."""
@@ -87,6 +86,7 @@ def mass_not_ready(st: ClusterState, fraction: float) -> str:
     if len(lost) >= 2 and len(lost) >= fraction * len(nodes):
         return f"{len(lost)} of {len(nodes)} nodes NotReady at once (pause_moves_not_ready_fraction {fraction:g})"
     return ""
+
 
 class SchedulerLoop:
     def __init__(self, store: EtcdStore, replica: str) -> None:
