@@ -215,7 +215,7 @@ def test_to_yaml_text() -> None:
         "temperature_limit_c: 85.0\n"
         "preemption_enabled_for:\n"
         "- high\n"
-        "node_not_ready_grace_seconds: 30.0\n"
+        "node_not_ready_grace_seconds: 8.0\n"
         "device_unhealthy_grace_seconds: 10.0\n"
         "max_placements_per_commit: 50\n"
     )
