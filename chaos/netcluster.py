@@ -146,7 +146,10 @@ class NetCluster(LocalCluster):
 
     def start_gateway(self, name: str) -> None:
         proc = self._proc(
-            name, self.gateway_argv(name, self.gateway_addrs[name]), self.base / "gateways" / f"{name}.log"
+            name,
+            # plain HTTP without keys on the test's own namespace network (nothing else reaches it)
+            [*self.gateway_argv(name, self.gateway_addrs[name]), "--allow-insecure-listen"],
+            self.base / "gateways" / f"{name}.log",
         )
         proc.start()
         self.gateways[name] = proc

@@ -40,7 +40,7 @@ from kunlun_common.errors import KunlunError
 log = structlog.get_logger("audit")
 API = keys.AUDIT + "api/"
 PACKAGE_TRUST = keys.AUDIT + "package-trust/"
-AUDITED_IN_TXN = frozenset({"AddTrustedKey", "RemoveTrustedKey"})
+AUDITED_IN_TXN = frozenset({"AddTrustedKey", "RemoveTrustedKey", "SetPackagePolicy"})
 """Methods that write their own audit record in the change's transaction."""
 OBJECT_FIELDS = ("name", "node", "id", "key_id", "workload", "workload_name", "serial", "digest")
 """Request fields that name what a call is about, in order of preference (one level deep too)."""

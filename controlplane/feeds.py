@@ -24,6 +24,9 @@ from controlplane.store import KV, EtcdStore
 from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
 from kunlun_common.states import PLACED, InstancePhase
 
+NODE_PENDING_REASONS = ("waiting for device", "pulling package", "verifying package")
+"""What a node says while it prepares an instance that the instance shows (else: Scheduled's reason)."""
+
 
 def decode_status(raw: bytes) -> tuple[str, agent_pb2.InstanceStatus]:
     """(node, status) from an instance-status record."""
@@ -48,8 +51,8 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
             inst.reason = st.reason or inst.reason
-    elif st.phase == InstancePhase.PENDING and st.reason.startswith("waiting for device"):
-        inst.reason = st.reason  # the node waits for an earlier engine to release a device
+    elif st.phase == InstancePhase.PENDING and st.reason.startswith(NODE_PENDING_REASONS):
+        inst.reason = st.reason  # the node waits for a device, or pulls/verifies the model package
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts

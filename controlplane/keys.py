@@ -29,6 +29,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 | packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
+| package-policy                     | API (PackageService)  | {"schema", "require_signed_packages", "by", "at_ms"} (controlplane/package_policy.py) | - |
 
 An ordinal has at most one instance: instance ids are unique per incarnation
 (`<workload id>-<ordinal>-<revision>`), so creation compares the ordinal's `instance-slots/` key
@@ -77,7 +78,15 @@ GATEWAYS = ROOT + "gateways/"
 REQUEST_ENDPOINTS = ROOT + "request-endpoints/"
 PACKAGES = ROOT + "packages/"
 PACKAGE_TRUST = ROOT + "package-trust/"
+PACKAGE_POLICY = ROOT + "package-policy"
 SCHEMA = 1
+
+NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS)
+"""Per-process and per-term keys a restore from backup never writes back (most are also bound to
+leases, which a backup leaves out anyway): a restored cluster elects its leader afresh, replicas
+and gateways register again, and nodes are alive again once their agents reconnect."""
+LIVE_MARKERS = (LEADER, REPLICAS)
+"""Keys that exist only while replicas run against the cluster (bound to their leases)."""
 
 
 def replica(name: str) -> str:

@@ -6,11 +6,17 @@ Keys (under `/kunlun/v1/`): `packages/<hex digest>` = {"name", "version", "diges
 `<package_store_dir>/blobs/<hex>.kunlunpkg`, written to `tmp/` while received, verified (hashes, and
 the signature with the cluster's trusted keys when signed) in a worker thread, then renamed. Holders
 are added and removed with compare-and-set on the index key's revision.
+
+Next to each blob, `<hex>.chunks` holds the SHA-256 of every PULL_CHUNK bytes of it (32 raw bytes
+each), computed while the push was received and kept only once the whole package verified: a pull
+sends each chunk with that push-time digest, so a blob changed on this disk afterwards is caught
+chunk by chunk by the agent (controlplane/package_pull.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -27,6 +33,8 @@ from kunlun_common.modelpkg import TrustedKeys, Verified, verify_file
 PACKAGES = keys.PACKAGES
 TRUST = keys.PACKAGE_TRUST
 CAS_TRIES = 8
+PULL_CHUNK = 1 << 20
+"""Bytes per pulled chunk (the unit of verification and of resuming)."""
 
 
 class QuotaExceeded(PermanentError):
@@ -42,10 +50,50 @@ class BlobStore:
     def blob(self, hexd: str) -> Path:
         return self.root / "blobs" / f"{hexd}.kunlunpkg"
 
+    def chunks(self, hexd: str) -> Path:
+        return self.root / "blobs" / f"{hexd}.chunks"
+
     def new_tmp(self) -> Path:
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         return self.root / "tmp" / f"{uuid.uuid4().hex}.partial"
+
+
+class ChunkHasher:
+    """SHA-256 of every PULL_CHUNK bytes of a stream fed in pieces of any size."""
+
+    def __init__(self, chunk: int = PULL_CHUNK) -> None:
+        self.chunk = chunk
+        self.digests: list[bytes] = []
+        self._h = hashlib.sha256()
+        self._n = 0
+
+    def feed(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            take = min(len(view), self.chunk - self._n)
+            self._h.update(view[:take])
+            self._n += take
+            view = view[take:]
+            if self._n == self.chunk:
+                self.digests.append(self._h.digest())
+                self._h, self._n = hashlib.sha256(), 0
+
+    def finish(self) -> bytes:
+        """All digests, 32 bytes each (the last chunk may be short)."""
+        if self._n:
+            self.digests.append(self._h.digest())
+            self._h, self._n = hashlib.sha256(), 0
+        return b"".join(self.digests)
+
+
+def chunk_digests_of(path: Path, chunk: int = PULL_CHUNK) -> bytes:
+    """The chunk digests of a file (blocking: run in a thread)."""
+    h = ChunkHasher(chunk)
+    with path.open("rb") as f:
+        while data := f.read(chunk):
+            h.feed(data)
+    return h.finish()
 
 
 async def trusted_keys(store: EtcdStore) -> TrustedKeys:

@@ -28,7 +28,9 @@ from jsonschema.exceptions import best_match
 from kunlun_common.api import gateway_pb2
 
 if TYPE_CHECKING:
-    from gateway.proxy import ClientProtocol, Proxy, Request
+    from gateway.client import ClientProtocol
+    from gateway.proxy import Proxy
+    from gateway.wire import Request
 
 log = structlog.get_logger("gateway.endpoints")
 PREFIX = b"/v1/endpoints/"
@@ -215,7 +217,7 @@ def _call_engine(proxy: Proxy, client: ClientProtocol, req: Request, ep: Compile
         separators=(",", ":"),
     ).encode()
     tail = b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
-    inner = type(req)(b"POST", b"/v1/chat/completions", [], body, True, False, False)
+    inner = type(req)(b"POST", b"/v1/chat/completions", [], body, True, False)
     capture = _Capture(client, req, ep)
     variant = reg.variant_for(wl, None) if wl.canaries else None
     ex = Exchange(proxy, cast("ClientProtocol", capture), inner, wl, None, _ENGINE_HEAD, tail, variant)

@@ -18,7 +18,9 @@ from gateway.backends import Backend, WorkloadRoutes
 from gateway.upstream import UpstreamConn
 
 if TYPE_CHECKING:
-    from gateway.proxy import ClientProtocol, Proxy, Request
+    from gateway.client import ClientProtocol
+    from gateway.proxy import Proxy
+    from gateway.wire import Request
 
 log = structlog.get_logger("gateway.proxy")
 

@@ -17,7 +17,7 @@ from gateway.auth import ApiKeys
 from gateway.backends import HealthChecker, Registry
 from gateway.metrics import GatewayExport, PoolRow
 from gateway.proxy import Proxy
-from gateway.settings import GatewaySettings, split_host_port
+from gateway.settings import GatewaySettings, is_loopback, split_host_port
 from kunlun_common import revocation
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
@@ -59,6 +59,23 @@ class Gateway:
         self.metrics_address = ""
         self.revoked = RevokedSerials()
         """Revoked serials, fetched from the replicas (the metrics exporter refuses them)."""
+
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: re-read the control-plane certificate; the next
+        connection to a replica and every new scrape use it, open streams carry on."""
+        if self.material is None:
+            return
+        from kunlun_common import tls
+        from kunlun_common.reload import LiveTls
+
+        live = LiveTls(self.material, expect_roles=("gateway",))
+        if not live.reload():
+            return
+        self.material = live.material
+        if self.feed is not None:
+            self.feed.creds = tls.channel_credentials(self.material)
+        if self.metrics is not None:
+            self.metrics.reload(self.material)
 
     def _material(self) -> TlsMaterial:
         assert self.material is not None
@@ -105,6 +122,7 @@ class Gateway:
                 "loaded": self.keys.loaded,
                 "count": len(self.keys.hashes),
             },
+            "refused": {str(k): v for k, v in sorted(self.proxy.refusals.items())} if self.proxy else {},
             "feed": self.feed.status() if self.feed is not None else {"static": True},
             "router_sync": self.router_sync.status() if self.router_sync is not None else None,
             "workloads": self.registry.status_json(),
@@ -118,6 +136,8 @@ class Gateway:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.proxy = Proxy(s, self.registry, self.keys, self.status)
+        self._tasks.append(asyncio.create_task(self.proxy.sweep(), name="gateway-deadlines"))
+        _raise_open_files(s.max_connections)
         await self._start_metrics()
         if self.material is not None and s.endpoints:
             from gateway.feed import ControlPlaneFeed
@@ -156,7 +176,13 @@ class Gateway:
         proxy = self.proxy
         try:
             self.server = await loop.create_server(
-                proxy.protocol, host, port, ssl=ctx, backlog=4096, reuse_address=True
+                proxy.protocol,
+                host,
+                port,
+                ssl=ctx,
+                backlog=4096,
+                reuse_address=True,
+                ssl_handshake_timeout=s.header_timeout_s if ctx else None,
             )
         except OSError as e:
             raise ConfigError(
@@ -169,7 +195,19 @@ class Gateway:
             https=bool(ctx),
             replicas=list(s.endpoints),
             static=bool(s.static_endpoints),
+            api_keys=s.require_api_key,
+            max_connections=s.max_connections,
         )
+        if ctx is None or not s.require_api_key:
+            missing = " and ".join(
+                w for w, off in (("plain HTTP", ctx is None), ("no API keys", not s.require_api_key)) if off
+            )
+            where = "on loopback" if is_loopback(host) else "allowed by allow_insecure_listen"
+            log.warning(
+                f"{missing} {where}: for development only; production configs set tls_cert/tls_key and "
+                "require_api_key (deploy/examples/gateway.example.yaml)",
+                listen=s.listen,
+            )
 
     async def stop(self) -> None:
         """Stop accepting; let requests in flight finish (at most drain_s); close everything."""
@@ -192,6 +230,25 @@ class Gateway:
             await self.metrics.stop()
 
 
+def _raise_open_files(connections: int) -> None:
+    """Lift the soft open-files limit towards the hard one so max_connections can be reached."""
+    import resource
+
+    want = connections * 2 + 256  # a client and an engine connection each, plus the rest
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        if soft < want:
+            log.warning(
+                "open-files limit below what max_connections needs; raise LimitNOFILE or lower max_connections",
+                limit=soft,
+                needed=want,
+            )
+
+
 async def serve(settings: GatewaySettings) -> None:
     """Run a gateway until SIGTERM/SIGINT."""
     gw = Gateway(settings)
@@ -200,6 +257,7 @@ async def serve(settings: GatewaySettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gw.reload_certificates)
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *gw._tasks], return_when=asyncio.FIRST_COMPLETED)
     for t in done:
@@ -222,6 +280,12 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--tls-key", help="PEM private key for HTTPS")
     p.add_argument(
         "--require-api-key", action="store_true", default=None, help="refuse requests without a key"
+    )
+    p.add_argument(
+        "--allow-insecure-listen",
+        action="store_true",
+        default=None,
+        help="allow plain HTTP or no API keys on a non-loopback address (behind a TLS proxy only)",
     )
     p.add_argument("--policy", dest="default_policy", help="default routing policy")
     p.add_argument("--request-timeout", type=float, help="seconds to the first byte / between bytes")
@@ -253,6 +317,7 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
         ("tls_cert", "tls_cert"),
         ("tls_key", "tls_key"),
         ("require_api_key", "require_api_key"),
+        ("allow_insecure_listen", "allow_insecure_listen"),
         ("default_policy", "default_policy"),
         ("request_timeout", "request_timeout_s"),
         ("connect_timeout", "connect_timeout_s"),

@@ -1,4 +1,4 @@
-"""The hot path: client connections (asyncio.Protocol + httptools), routing, retries, errors.
+"""The hot path: routing, retries, errors (connections, limits and deadlines: client.py).
 
 Per request the gateway parses the HTTP head (httptools, C), parses the JSON body once to read
 `model` (and the prompt prefix only for prefix_affinity), picks an instance, and writes the request
@@ -10,8 +10,10 @@ A request that failed before any byte reached the client (connect refused, conne
 502/503/504 from the engine) is retried on another instance (`retries`, default once). Every error
 the gateway itself answers is a JSON body `{"error": {"message", "type", "code"}}`:
 400 malformed JSON or HTTP, 401 missing/invalid/revoked key, 404 unknown model or route, 405,
-413 body too large, 502 instance failed (after the retry), 503 no instance can take it (the message
-names the workload and why), 504 the engine did not answer within request_timeout_s.
+408 request not received in time, 413 body too large, 414 target too long, 429 the key's rate limit
+(with Retry-After), 431 head too large, 502 instance failed (after the retry), 503 no instance can
+take it (the message names the workload and why) or max_connections reached, 504 the engine did not
+answer within request_timeout_s.
 """
 
 from __future__ import annotations
@@ -19,19 +21,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import httptools
 import structlog
 
 from gateway import endpoints
 from gateway.auth import ApiKeys
 from gateway.backends import Registry
+from gateway.client import ClientProtocol
 from gateway.exchange import Exchange
+from gateway.ratelimit import RateLimits
 from gateway.routing import prompt_prefix
 from gateway.settings import GatewaySettings
+from gateway.wire import Refusal, Request
 
 try:
     import orjson
@@ -41,28 +45,8 @@ except ImportError:  # pragma: no cover - orjson is optional
     _loads = json.loads
 
 log = structlog.get_logger("gateway.proxy")
-_REASONS = {
-    200: b"OK",
-    400: b"Bad Request",
-    401: b"Unauthorized",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-    413: b"Payload Too Large",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-    504: b"Gateway Timeout",
-}
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "timeout_error",
-}
 _INFERENCE = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/generate"))
+_KEYED = _INFERENCE | {b"/v1/models", b"/kunlun/status"}
 _HOP = frozenset(
     (
         b"connection",
@@ -78,33 +62,6 @@ _HOP = frozenset(
         b"proxy-authorization",
     )
 )
-
-
-def error_body(status: int, message: str) -> bytes:
-    err = {"message": message, "type": _TYPES.get(status, "error"), "param": None, "code": status}
-    return json.dumps({"error": err}, separators=(",", ":")).encode()
-
-
-class Request:
-    __slots__ = ("body", "headers", "http10", "keep_alive", "method", "too_big", "url")
-
-    def __init__(
-        self,
-        method: bytes,
-        url: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        keep_alive: bool,
-        http10: bool,
-        too_big: bool,
-    ) -> None:
-        self.method = method
-        self.url = url
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.http10 = http10
-        self.too_big = too_big
 
 
 class Proxy:
@@ -125,22 +82,55 @@ class Proxy:
         self.loop = asyncio.get_running_loop()
         self.inflight = 0
         self.created = int(time.time())
+        self.limits = RateLimits(settings)
+        self.refusals: Counter[int] = Counter()
+        """Requests and connections refused before routing, by status (401, 408, 413, 429, ...)."""
 
     def protocol(self) -> ClientProtocol:
         return ClientProtocol(self)
 
+    async def sweep(self) -> None:
+        """Apply the connections' deadlines (slow heads and bodies, idle keep-alive, lingering)."""
+        s = self.settings
+        tick = max(0.05, min(0.5, min(s.header_timeout_s, s.body_timeout_s, s.keepalive_timeout_s) / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = self.loop.time()
+            for c in [c for c in self.clients if c.deadline and c.deadline <= now]:
+                c.expired(now)
+
+    # ------------------------------------------------------------------ admission (request head only)
+    def admit(self, url: bytes, auth: bytes | None) -> Refusal | None:
+        """None when the request may go on, else why not: the key and its rate, from the head alone."""
+        path = url.split(b"?", 1)[0]
+        if not (path in _KEYED or path.startswith(endpoints.PREFIX)):
+            return None
+        why, identity = self.keys.identify(auth)
+        if why is not None:
+            if not self.keys.loaded:
+                msg = "API keys are required but none were received from the control plane yet"
+                return 503, msg, b"retry-after: 1\r\n"
+            return 401, why, b"www-authenticate: Bearer\r\n"
+        if identity and self.limits.active:
+            wait = self.limits.check(identity, self.loop.time())
+            if wait:
+                msg = f"rate limit of API key {identity} reached; retry in {wait} s"
+                return 429, msg, b"retry-after: %d\r\n" % wait
+        return None
+
     # ------------------------------------------------------------------ routes
     def handle(self, client: ClientProtocol, req: Request) -> None:
-        if req.too_big:
-            client.error(413, f"request body larger than {self.settings.max_body_bytes} bytes", False)
+        if req.refusal is not None:
+            status, message, extra = req.refusal
+            if req.method:  # refused from its head, no body: answered in turn, connection kept
+                self.refusals[status] += 1
+            client.error(status, message, req.keep_alive, extra)
             return
         path = req.url.split(b"?", 1)[0]
-        fwd, auth, session = _scan(req.headers, self.keys.required)
+        fwd, _, session = _scan(req.headers, self.keys.required)
         if path in _INFERENCE:
             if req.method != b"POST":
                 client.error(405, f"{path.decode()} takes POST", req.keep_alive)
-                return
-            if self._refused(client, req, auth):
                 return
             self._inference(client, req, fwd, session)
             return
@@ -150,25 +140,14 @@ class Proxy:
         if path == b"/v1/models" or path == b"/kunlun/status":
             if req.method != b"GET":
                 client.error(405, f"{path.decode()} takes GET", req.keep_alive)
-            elif not self._refused(client, req, auth):
+            else:
                 body = self._models() if path == b"/v1/models" else self.status()
                 client.reply(200, json.dumps(body, separators=(",", ":")).encode(), req.keep_alive)
             return
         if path.startswith(endpoints.PREFIX):
-            if not self._refused(client, req, auth):
-                endpoints.serve(self, client, req, path)
+            endpoints.serve(self, client, req, path)
             return
         client.error(404, f"no route {path.decode('latin-1')}", req.keep_alive)
-
-    def _refused(self, client: ClientProtocol, req: Request, auth: bytes | None) -> bool:
-        why = self.keys.check(auth)
-        if why is None:
-            return False
-        if not self.keys.loaded:
-            client.error(503, "API keys are required but none were received from the control plane yet", True)
-            return True
-        client.error(401, why, req.keep_alive, b"www-authenticate: Bearer\r\n")
-        return True
 
     def _health(self, client: ClientProtocol, req: Request) -> None:
         reg = self.registry
@@ -252,130 +231,3 @@ def _scan(headers: list[tuple[bytes, bytes]], strip_auth: bool) -> tuple[bytes, 
             continue
         out.append(b"%s: %s\r\n" % (name, value))
     return b"".join(out), auth, session
-
-
-class ClientProtocol(asyncio.Protocol):
-    """One client connection: keep-alive, pipelined requests answered in order."""
-
-    def __init__(self, proxy: Proxy) -> None:
-        self.proxy = proxy
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.size = 0
-        self.pending: deque[Request] = deque()
-        self.busy = False
-        self.exchange: Exchange | None = None
-        self.paused_reading = False
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        self.proxy.clients.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self.proxy.clients.discard(self)
-        self.pending.clear()
-        ex, self.exchange = self.exchange, None
-        if ex is not None:
-            ex.abort()
-
-    def pause_writing(self) -> None:
-        if self.exchange is not None:
-            self.exchange.pause()
-
-    def resume_writing(self) -> None:
-        if self.exchange is not None:
-            self.exchange.resume()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.error(400, "protocol upgrades are not supported", False)
-        except httptools.HttpParserError as e:
-            self.error(400, f"malformed HTTP request ({e})", False)
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self.url = b""
-        self.headers = []
-        self.body = []
-        self.size = 0
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-        if len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
-            if self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    def on_body(self, body: bytes) -> None:
-        self.size += len(body)
-        if self.size <= self.proxy.settings.max_body_bytes:
-            self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        p = self.parser
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        req = Request(
-            p.get_method(),
-            self.url,
-            self.headers,
-            body,
-            bool(p.should_keep_alive()),
-            p.get_http_version() == "1.0",
-            self.size > self.proxy.settings.max_body_bytes,
-        )
-        if self.busy:
-            self.pending.append(req)
-            if len(self.pending) > 32 and self.transport is not None and not self.paused_reading:
-                self.transport.pause_reading()
-                self.paused_reading = True
-            return
-        self.busy = True
-        self.proxy.handle(self, req)
-
-    # responses
-    def reply(
-        self,
-        status: int,
-        body: bytes,
-        keep_alive: bool,
-        extra: bytes = b"",
-        content_type: bytes = b"application/json",
-    ) -> None:
-        t = self.transport
-        if t is not None:
-            close = b"" if keep_alive else b"connection: close\r\n"
-            t.write(
-                b"HTTP/1.1 %d %s\r\nserver: kunlun-gateway\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n%s"
-                % (status, _REASONS.get(status, b"Error"), content_type, len(body), extra, close, body)
-            )
-        self.finished(keep_alive)
-
-    def error(self, status: int, message: str, keep_alive: bool, extra: bytes = b"") -> None:
-        self.reply(status, error_body(status, message), keep_alive, extra)
-
-    def finished(self, keep_alive: bool) -> None:
-        self.exchange = None
-        t = self.transport
-        if t is None:
-            return
-        if not keep_alive:
-            self.pending.clear()
-            t.close()
-            return
-        if self.pending:
-            req = self.pending.popleft()
-            if self.paused_reading and len(self.pending) < 8:
-                t.resume_reading()
-                self.paused_reading = False
-            self.proxy.handle(self, req)
-        else:
-            self.busy = False

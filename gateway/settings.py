@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, paths_for
@@ -17,6 +19,59 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ConfigError(f"{what}: expected host:port, found {address!r}")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class KeyRateLimit:
+    """The request rate of one API key (overrides rate_limit_per_s / rate_limit_burst)."""
+
+    key: str
+    """Key id as `kunlun-cli gateway keys list` shows it (the `kl-<id>-` part of the secret)."""
+    per_s: float
+    """Sustained requests per second; 0: no limit for this key."""
+    burst: int = 0
+    """Requests let through at once after a quiet spell; 0: per_s rounded up (at least 1)."""
+
+
+def _key_limits(items: tuple[Any, ...]) -> tuple[KeyRateLimit, ...]:
+    """YAML mappings -> KeyRateLimit, every problem named by its index and field."""
+    known = [f.name for f in fields(KeyRateLimit)]
+    out: list[KeyRateLimit] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        at = f"key_rate_limits[{i}]"
+        if isinstance(item, KeyRateLimit):
+            item = {"key": item.key, "per_s": item.per_s, "burst": item.burst}
+        if not isinstance(item, dict):
+            raise ConfigError(f"{at}: expected a mapping with key, per_s and burst, found {item!r}")
+        unknown = sorted(set(item) - set(known))
+        if unknown:
+            raise ConfigError(f"{at}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+        key, per_s, burst = item.get("key"), item.get("per_s"), item.get("burst", 0)
+        if not isinstance(key, str) or not key or len(key) > 64:
+            raise ConfigError(
+                f"{at}.key: expected the key id (`kunlun-cli gateway keys list`), found {key!r}"
+            )
+        if key in seen:
+            raise ConfigError(f"{at}.key: {key!r} is listed twice; keep one entry per key")
+        seen.add(key)
+        if isinstance(per_s, bool) or not isinstance(per_s, int | float) or per_s < 0:
+            raise ConfigError(f"{at}.per_s: expected requests per second >= 0 (0: no limit), found {per_s!r}")
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 0:
+            raise ConfigError(
+                f"{at}.burst: expected a whole number >= 0 (0: per_s rounded up), found {burst!r}"
+            )
+        out.append(KeyRateLimit(key, float(per_s), burst))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -66,7 +121,38 @@ class GatewaySettings:
     eject_s: float = 5.0
     """Passive ejection after connection errors: first period, doubled on each repeat (at most 60 s)."""
     max_body_bytes: int = 16 * 1024 * 1024
-    """Largest accepted request body."""
+    """Largest accepted request body; a larger one is answered 413 as soon as its head (or the chunk
+    that passes the limit) arrives, without reading the rest, and the connection is closed."""
+    max_url_bytes: int = 8192
+    """Longest request target (path and query); longer: 414 and the connection is closed."""
+    max_header_bytes: int = 32768
+    """Largest request head (target and header lines); larger: 431 and the connection is closed."""
+    max_headers: int = 100
+    """Most header lines in one request; more: 431 and the connection is closed."""
+    max_pipelined: int = 16
+    """Requests one connection may queue behind the one being answered; beyond that (or beyond
+    max_body_bytes of queued bodies) the gateway stops reading it until answers go out (TCP
+    back-pressure: nothing is refused)."""
+    header_timeout_s: float = 10.0
+    """Longest time to receive a request head, counted from its first byte (a new connection's first
+    head: from the connect); slower: 408 and the connection is closed (slowloris)."""
+    body_timeout_s: float = 60.0
+    """Longest time to receive a request body once its head arrived; slower: 408 and closed."""
+    keepalive_timeout_s: float = 60.0
+    """An idle keep-alive connection (no request in progress or queued) is closed after this long,
+    without an answer."""
+    max_connections: int = 4096
+    """Client connections open at once; one more is answered 503 and closed at once."""
+    rate_limit_per_s: float = 0.0
+    """Requests per second each API key may send, sustained (token bucket); over it: 429 with
+    Retry-After. 0: no limit. Needs require_api_key."""
+    rate_limit_burst: int = 0
+    """Requests a key may send at once after a quiet spell; 0: rate_limit_per_s rounded up (at least 1)."""
+    key_rate_limits: tuple[KeyRateLimit, ...] = ()
+    """Per-key overrides: a list of {key: ID, per_s: N, burst: N} (per_s 0: that key is not limited)."""
+    allow_insecure_listen: bool = False
+    """Let a non-loopback listen address serve plain HTTP or without API keys (only behind a proxy
+    that terminates TLS and authenticates); by default such a config is refused."""
     heartbeat_interval_s: float = 2.0
     """Registration heartbeat to the replica; a replica that misses it is left for the next one."""
     feed_timeout_s: float = 5.0
@@ -87,7 +173,7 @@ class GatewaySettings:
     stderr is a terminal."""
 
     def __post_init__(self) -> None:
-        split_host_port(self.listen, "listen")
+        listen_host, _ = split_host_port(self.listen, "listen")
         if self.metrics_listen:
             if not self.cert_dir:
                 raise ConfigError(
@@ -134,6 +220,54 @@ class GatewaySettings:
             raise ConfigError(f"log_format: expected json or console, found {self.log_format!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
+        self._check_limits()
+        if not is_loopback(listen_host) and not self.allow_insecure_listen:
+            missing = [
+                n
+                for n, on in (
+                    ("tls_cert/tls_key", self.tls_cert),
+                    ("require_api_key: true", self.require_api_key),
+                )
+                if not on
+            ]
+            if missing:
+                raise ConfigError(
+                    f"listen: {self.listen} is reachable from the network, so the gateway needs {' and '.join(missing)} "
+                    "(HTTPS and API keys; see deploy/examples/gateway.example.yaml); only behind a proxy "
+                    "that terminates TLS and authenticates, set allow_insecure_listen: true"
+                )
+
+    def _check_limits(self) -> None:
+        minimum = {
+            "max_body_bytes": 1,
+            "max_url_bytes": 16,
+            "max_header_bytes": 1024,
+            "max_headers": 8,
+            "max_pipelined": 1,
+            "max_connections": 1,
+        }
+        for name, least in minimum.items():
+            if getattr(self, name) < least:
+                raise ConfigError(f"{name}: expected at least {least}, found {getattr(self, name)}")
+        if self.max_url_bytes > self.max_header_bytes:
+            raise ConfigError(
+                f"max_url_bytes: {self.max_url_bytes} is above max_header_bytes ({self.max_header_bytes}), "
+                "which counts the target too; raise max_header_bytes or lower max_url_bytes"
+            )
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"{name}: expected a positive number of seconds, found {getattr(self, name)}"
+                )
+        if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
+            raise ConfigError(
+                "rate_limit_per_s / rate_limit_burst: expected 0 (no limit) or a positive number"
+            )
+        object.__setattr__(self, "key_rate_limits", _key_limits(tuple(self.key_rate_limits)))
+        if (self.rate_limit_per_s > 0 or self.key_rate_limits) and not self.require_api_key:
+            raise ConfigError(
+                "rate_limit_per_s / key_rate_limits: rate limits are per API key; set require_api_key: true"
+            )
 
     @property
     def advertise_address(self) -> str:

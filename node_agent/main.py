@@ -59,7 +59,23 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     e.add_argument(
         "--engine-python", default=d.engine_python, help="interpreter with SGLang (default python3)"
     )
-    e.add_argument("--engine-user", default=None, help="run engines as this unprivileged user")
+    e.add_argument(
+        "--engine-user",
+        default=d.engine_user,
+        help=f"run engines as this unprivileged user (default {d.engine_user}; '' runs them as the agent's user)",
+    )
+    e.add_argument(
+        "--no-engine-seccomp",
+        dest="engine_seccomp",
+        action="store_false",
+        help="do not load the engines' system-call allowlist (only where the host lacks libseccomp)",
+    )
+    e.add_argument(
+        "--no-engine-read-only-root",
+        dest="engine_read_only_root",
+        action="store_false",
+        help="leave the host file system writable in the engines' view (only where remounting fails)",
+    )
     e.add_argument(
         "--engine-memory-limit-mb",
         type=int,
@@ -106,7 +122,20 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     p.add_argument(
         "--require-signed-packages",
         action="store_true",
-        help="launch from a model package only when signed by a key in --trusted-keys",
+        help="launch from a model package only when signed by a trusted key (--trusted-keys and the "
+        "cluster's; the cluster policy `model policy set --require-signed-packages` does the same everywhere)",
+    )
+    p.add_argument(
+        "--package-cache-mb",
+        type=int,
+        default=ExecutorSettings.package_cache_mb,
+        help="most MiB of model packages kept on the node (unused ones are evicted, least recently used first)",
+    )
+    p.add_argument(
+        "--package-pull-rate-mb",
+        type=float,
+        default=ExecutorSettings.package_pull_rate_mb_s,
+        help="most MiB/s one package pull from the control plane takes (0: no cap)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
@@ -138,6 +167,8 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         from kunlun_common.metrics_http import split_listen
 
         split_listen(a.metrics_listen, "--metrics-listen")
+    if a.package_cache_mb < 0 or a.package_pull_rate_mb < 0:
+        raise ConfigError("--package-cache-mb and --package-pull-rate-mb must not be negative (0: no limit)")
     if a.stop_grace < 0:
         raise ConfigError(f"--stop-grace must not be negative, got {a.stop_grace}")
     if not a.health_path.startswith("/"):
@@ -155,12 +186,16 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         allow_unsandboxed=a.allow_unsandboxed,
         test_engine_fallback=a.test_engine_fallback,
         engine_python=a.engine_python,
-        engine_user=a.engine_user,
+        engine_user=a.engine_user or None,
+        engine_seccomp=a.engine_seccomp,
+        engine_read_only_root=a.engine_read_only_root,
         memory_limit_mb=a.engine_memory_limit_mb,
         cpu_cores=a.engine_cpu_cores,
         stop_engines_on_exit=a.stop_engines_on_exit,
         require_signed_packages=a.require_signed_packages,
         trusted_keys_dir=a.trusted_keys,
+        package_cache_mb=a.package_cache_mb,
+        package_pull_rate_mb_s=a.package_pull_rate_mb,
     )
     state_dir = a.state_dir or os.path.join(
         "/var/lib/kunlun-agent", os.path.basename(a.config).rsplit(".", 1)[0]

@@ -37,8 +37,16 @@ class ExecutorSettings:
     """When SGLang is not installed, serve `engine: sglang` workloads with kunlun-test-engine (demo, tests)."""
     engine_python: str = "python3"
     """Interpreter of the engines' Python environment (where SGLang is installed)."""
-    engine_user: str | None = None
-    """Unprivileged user the engines run as (None: the agent's user)."""
+    engine_user: str | None = "kunlun-engine"
+    """Unprivileged user the engines run as (created by `make install` and kunlun-installer); None
+    or empty: the agent's own user (root for a root agent: logged loudly, shown in `node describe`).
+    An agent that is not root cannot switch users: its engines run as its own user."""
+    engine_seccomp: bool = True
+    """Load the default-deny system-call allowlist into every engine; turn off only where the host
+    lacks libseccomp (logged loudly, shown in `node describe`)."""
+    engine_read_only_root: bool = True
+    """Show engines the host file system read-only except their own folders, the model and cache;
+    turn off only where the host cannot remount in a mount namespace (logged, shown)."""
     memory_limit_mb: int | None = None
     """Default host-memory limit of one instance (cgroup); the spec's env KUNLUN_MEMORY_LIMIT_MB wins."""
     cpu_cores: float | None = None
@@ -48,9 +56,15 @@ class ExecutorSettings:
     stop_engines_on_exit: bool = False
     """Stop the engines when the agent exits on SIGTERM/SIGINT (default: leave them for the next agent)."""
     require_signed_packages: bool = False
-    """Launch from a model package only when its signature verifies with a key in trusted_keys_dir."""
+    """Launch from a model package only when its signature verifies with a trusted key (those in
+    trusted_keys_dir and the cluster's); the cluster policy can require it on every node."""
     trusted_keys_dir: str = ""
     """Folder of trusted Ed25519 public keys (*.pub) for packages (and signed declarations)."""
+    package_cache_mb: int = 100 * 1024
+    """Most MiB of model packages (unpacked, and pulls in progress) kept on the node; unused ones are
+    evicted least recently used first; 0: no limit."""
+    package_pull_rate_mb_s: float = 0.0
+    """Most MiB/s one package pull from the control plane receives; 0: no cap."""
     cgroup_parent: str = "kunlun"
     """Parent cgroup; instances live in `<parent>/<node>/<instance_id>` of each hierarchy."""
 

@@ -174,7 +174,9 @@ def test_push_list_delete_two_verified_copies_and_a_quota(
     assert r.returncode == 1 and "quota" in r.stderr, r.stderr
     r = cli("model", "list", "-o", "json", home=op)
     assert [p["name"] for p in json.loads(r.stdout)["items"]] == ["tiny"]
-    assert sorted(p.name for p in store.glob("*/blobs/*")) == [f"{hexd}.kunlunpkg"] * 2
+    assert sorted(p.name for p in store.glob("*/blobs/*")) == sorted(
+        [f"{hexd}.chunks", f"{hexd}.kunlunpkg"] * 2
+    )
 
     viewer = home_for(small_cluster, tmp_path, "viewer", "viewer")
     r = cli("model", "delete", f"tiny@{good.digest}", home=viewer)

@@ -14,6 +14,7 @@ from controlplane.api.agent_service import AgentService
 from controlplane.api.auth import PERMISSIONS, Ctx
 from controlplane.api.cluster_service import ClusterService
 from controlplane.api.gateway_service import GatewayService
+from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
 from controlplane.api.rpc import Servicer, rpc, rpc_stream, status_of
 from controlplane.api.workload_service import WorkloadService
@@ -24,6 +25,7 @@ from kunlun_common.api import (
     cluster_pb2,
     cluster_pb2_grpc,
     gateway_pb2,
+    package_pb2,
     rollout_pb2,
     workload_pb2,
     workload_pb2_grpc,
@@ -46,6 +48,7 @@ SERVED = [
     (WorkloadService, workload_pb2),
     (GatewayService, gateway_pb2),
     (RolloutService, rollout_pb2),
+    (PackageService, package_pb2),
 ]
 
 

@@ -52,6 +52,7 @@ def test_the_stack_in_order() -> None:
         ("node-ready", Scope.NODE, None),
         ("node-cordoned", Scope.NODE, None),
         ("device-type", Scope.DEVICE, Depends.PROFILE),
+        ("engine", Scope.DEVICE, Depends.PROFILE),
         ("pin", Scope.DEVICE, Depends.DEVICE),
         ("precision", Scope.DEVICE, Depends.PROFILE),
         ("memory", Scope.DEVICE, Depends.PROFILE),
@@ -68,14 +69,21 @@ def test_every_device_filter_fails_with_its_reason_code() -> None:
             preferred_device_types=("nvidia",), pin="node-b/ascend", memory_per_device_mb=10**6, dtype="bf16"
         )
     )
-    bad = device("node-a", 0, status="Unhealthy", temperature_c=99.0, supported_dtypes=("fp16",))
+    bad = device(
+        "node-a",
+        0,
+        device_type="iluvatar",
+        status="Unhealthy",
+        temperature_c=99.0,
+        supported_dtypes=("fp16",),
+    )
     for f in DEVICE_FILTERS:
         reason = f.check(bad, CONFIG) if f.depends is Depends.CONDITION else f.check(bad, req)
         assert reason is not None and reason.startswith(f.reason), (f.name, reason)
 
 
 def test_the_node_quotes_the_group_that_got_furthest() -> None:
-    # device 0 fails memory (stage 3), device 1 only temperature (stage 5): the node says TooHot
+    # device 0 fails memory (stage 4), device 1 only temperature (stage 6): the node says TooHot
     node = NodeView(
         "node-a",
         True,
@@ -103,7 +111,7 @@ def test_requirement_key_is_derived_from_the_requirement_inputs() -> None:
     assert set(RequirementInputs._fields) < {f.name for f in fields(WorkloadReq)}
     changed: dict[str, Any] = dict(
         preferred_device_types=("nvidia",), pin=None, quantization="int8", dtype="bf16",
-        memory_per_device_mb=5, devices_per_instance=3, require_p2p=False,
+        memory_per_device_mb=5, devices_per_instance=3, require_p2p=False, engine="template",
     )  # fmt: skip
     assert set(changed) == set(RequirementInputs._fields)
     for field, value in changed.items():
@@ -121,3 +129,23 @@ def test_the_placement_score_is_the_sum_of_the_score_table() -> None:
     expected = node_part(1, 1, CONFIG) + device_part(d, CONFIG) + profile_part(d, req, {"fp16": 300.0})
     assert isinstance(p, Placement) and p.score == round(expected, 6)
     assert {s.scope for s in SCORES} == set(ScoreScope)
+
+
+def test_sglang_without_a_device_type_is_kept_off_devices_it_cannot_run_on() -> None:
+    ilu = NodeView(
+        "node-i", True, False, (device("node-i", 0, device_type="iluvatar", name="node-i/iluvatar:0"),)
+    )
+    nv = NodeView("node-n", True, False, (device("node-n", 0, device_type="nvidia", name="node-n/nvidia:0"),))
+    pending = [
+        PendingInstance("s", workload(), 0.0, 0),
+        PendingInstance("t", workload(engine="template"), 0.0, 1),
+    ]
+    # only the Iluvatar node: SGLang waits and says why; a template engine runs there
+    plan = schedule(GraphSnapshot((ilu,), 1), pending, [], CONFIG, 0.0)
+    assert [(p.instance_id, p.devices) for p in plan.placements] == [("t", ("node-i/iluvatar:0",))]
+    (u,) = plan.unplaced
+    assert u.instance_id == "s"
+    assert u.reasons["node-i"].startswith("UnsupportedEngine (sglang on iluvatar: upstream SGLang")
+    # with an NVIDIA node as well, SGLang goes there even though Iluvatar is free
+    plan = schedule(GraphSnapshot((ilu, nv), 1), pending[:1], [], CONFIG, 0.0)
+    assert [p.devices for p in plan.placements] == [("node-n/nvidia:0",)]

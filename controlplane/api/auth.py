@@ -29,7 +29,9 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     # served by node agents, not replicas (node_agent/node_service.py enforces the same rule)
     "/kunlun.v1.NodeService/Logs": ("replica",),
     "/kunlun.v1.NodeService/Engines": ("replica",),
+    "/kunlun.v1.NodeService/ToolReading": ("replica",),
     "/kunlun.v1.LedgerService/NodeEngines": READERS,
+    "/kunlun.v1.LedgerService/NodeToolReading": READERS,
     "/kunlun.v1.WorkloadService/SubmitWorkload": WRITERS,
     "/kunlun.v1.WorkloadService/ListWorkloads": READERS,
     "/kunlun.v1.WorkloadService/GetWorkload": READERS,
@@ -61,6 +63,10 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.PackageService/PushPackage": WRITERS,
     "/kunlun.v1.PackageService/ListPackages": (*READERS, "agent"),
     "/kunlun.v1.PackageService/DeletePackage": WRITERS,
+    # agents: only packages their node's assignments name (controlplane/package_pull.py)
+    "/kunlun.v1.PackageService/PullPackage": ("operator", "replica", "agent"),
+    "/kunlun.v1.PackageService/GetPackagePolicy": (*READERS, "agent"),
+    "/kunlun.v1.PackageService/SetPackagePolicy": WRITERS,
     "/kunlun.v1.EndpointService/PutEndpoint": WRITERS,
     "/kunlun.v1.EndpointService/GetEndpoint": READERS,
     "/kunlun.v1.EndpointService/ListEndpoints": READERS,

@@ -1,4 +1,5 @@
-"""PackageService: the cluster's trusted package-signing keys (docs/kunlunpkg.md).
+"""PackageService: the cluster's package store, its trusted package-signing keys and its package
+policy (docs/kunlunpkg.md). Every handler goes through the one wrapper (`controlplane/api/rpc.py`).
 
 Keys written (under `/kunlun/v1/`), each change in ONE transaction with its audit record:
 
@@ -6,9 +7,12 @@ Keys written (under `/kunlun/v1/`), each change in ONE transaction with its audi
 |---------------------------------------|-------------------------------|-----------------------------------------------|
 | package-trust/<key id>                | API (AddTrustedKey)           | {"schema", "key_id", "pem", "name", "by", "at_ms"} |
 | audit/package-trust/<ms>-<key id>-<op>| API (Add/RemoveTrustedKey)    | {"schema", "op" (add/remove), "key_id", "name", "by", "at_ms"} |
+| package-policy, audit/package-policy/ | API (SetPackagePolicy)        | controlplane/package_policy.py                |
+| packages/<hex digest>                 | API (Push/DeletePackage)      | controlplane/package_store.py                 |
 
-Only operators change the list; anyone with a cluster certificate that verifies packages (operators,
-viewers, replicas, agents) reads it.
+Only operators change them; anyone with a cluster certificate that verifies packages (operators,
+viewers, replicas, agents) reads the keys and the policy. Agents pull (PullPackage) only the
+packages their node's assignments name (controlplane/package_pull.py).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from typing import Any
 import grpc
 
 from controlplane import keys
-from controlplane.api.auth import Ctx, abort, authorize
-from controlplane.api.guard import CallGuard
-from controlplane.api.rpc import fail
+from controlplane.api.auth import Ctx, abort
+from controlplane.api.rpc import Servicer, rpc, rpc_stream
+from controlplane.feeds import Feeds
+from controlplane.package_policy import get_policy, set_policy
+from controlplane.package_pull import check_may_pull, digest_hex, stream_package
 from controlplane.package_store import (
     PACKAGES,
     BlobStore,
+    ChunkHasher,
     QuotaExceeded,
     add_holder,
     record_of,
@@ -41,18 +48,21 @@ from controlplane.store import Compare, EtcdStore
 from controlplane.store.contract import DeleteOp, PutOp
 from kunlun_common.api import package_pb2, package_pb2_grpc
 from kunlun_common.clock import now_ms
-from kunlun_common.errors import ConfigError
+from kunlun_common.errors import (
+    ConcurrentChange,
+    InvalidInput,
+    NotFoundError,
+    PermanentError,
+)
 from kunlun_common.modelpkg import PackageError
 from kunlun_common.modelpkg.signing import key_id, parse_public_key, public_pem
 from kunlun_common.tls import Identity
 
-SVC = "/kunlun.v1.PackageService/"
 TRUST = keys.PACKAGE_TRUST
 AUDIT_TRUST = keys.AUDIT + "package-trust/"
 MAX_PEM_BYTES = 1024
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,62}$")
 _KEY_ID_RE = re.compile(r"^ed25519:[0-9a-f]{16}$")
-_REF_RE = re.compile(r"^([a-z0-9][a-z0-9._-]{0,62}@)?sha256:(?P<hex>[0-9a-f]{64})$")
 MAX_CHUNK = 1 << 20
 
 
@@ -84,40 +94,41 @@ def package_message(rec: dict[str, Any]) -> package_pb2.PackageInfo:
     )
 
 
-class PackageService(package_pb2_grpc.PackageServiceServicer):
+class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
+    SERVICE = "kunlun.v1.PackageService"
+
     def __init__(
-        self, store: EtcdStore, replica: str = "", store_dir: str = "", quota_bytes: int = 0
+        self,
+        store: EtcdStore,
+        feeds: Feeds,
+        replica: str = "",
+        store_dir: str = "",
+        quota_bytes: int = 0,
     ) -> None:
         self.store = store
+        self.feeds = feeds
         self.replica = replica
         self.blobs = BlobStore(Path(store_dir.replace("{name}", replica))) if store_dir else None
         self.quota = quota_bytes
-        self.guard: CallGuard | None = None
-        """Revocation check and certificate inventory (set by the replica)."""
 
     # ------------------------------------------------------------------ package store
+    @rpc
     async def PushPackage(
-        self, request_iterator: AsyncIterator[package_pb2.PushPackageChunk], context: Ctx
+        self, request: AsyncIterator[package_pb2.PushPackageChunk], context: Ctx, who: Identity
     ) -> package_pb2.PackageInfo:
-        who = await self._authorize(context, "PushPackage")
         if self.blobs is None:
-            await abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"replica {self.replica} keeps no packages (package_store_dir unset); push to another replica",
+            raise PermanentError(
+                f"replica {self.replica} keeps no packages (package_store_dir unset); push to another replica"
             )
         blobs = self.blobs
         tmp = blobs.new_tmp()
         size = 0
+        chunks = ChunkHasher()
         try:
             with tmp.open("wb") as f:
-                async for chunk in request_iterator:
+                async for chunk in request:
                     if len(chunk.data) > MAX_CHUNK:
-                        await abort(
-                            context,
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"data: chunks of at most {MAX_CHUNK} bytes",
-                        )
+                        raise InvalidInput(f"data: chunks of at most {MAX_CHUNK} bytes")
                     size += len(chunk.data)
                     if size > self.quota:
                         await abort(
@@ -126,91 +137,85 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
                             f"package larger than the store quota ({self.quota} bytes)",
                         )
                     await asyncio.to_thread(f.write, chunk.data)
+                    chunks.feed(chunk.data)
             try:
                 v = await verify_blob(tmp, await trusted_keys(self.store))
             except PackageError as e:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"package refused: {e}")
+                raise InvalidInput(f"package refused: {e}") from None
             rec = record_of(v, size, str(who))
             hexd = v.head.digest.removeprefix("sha256:")
+            record = tmp.with_suffix(".chunks")
+            await asyncio.to_thread(record.write_bytes, chunks.finish())
+            await asyncio.to_thread(os.replace, record, blobs.chunks(hexd))
             await asyncio.to_thread(os.replace, tmp, blobs.blob(hexd))
             try:
                 rec = await add_holder(self.store, rec, self.replica, self.quota)
             except QuotaExceeded as e:
                 await asyncio.to_thread(remove_file, blobs.blob(hexd))
+                await asyncio.to_thread(remove_file, blobs.chunks(hexd))
                 await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Exception as e:
-            await self._fail(context, e)
-            raise
         finally:
             await asyncio.to_thread(remove_file, tmp)
+            await asyncio.to_thread(remove_file, tmp.with_suffix(".chunks"))
         return package_message(rec)
 
+    @rpc
     async def ListPackages(
-        self, request: package_pb2.ListPackagesRequest, context: Ctx
+        self, request: package_pb2.ListPackagesRequest, context: Ctx, who: Identity
     ) -> package_pb2.ListPackagesResponse:
-        await self._authorize(context, "ListPackages")
-        try:
-            kvs, _ = await self.store.get_prefix(PACKAGES)
-        except Exception as e:
-            await self._fail(context, e)
-            raise
+        kvs, _ = await self.store.get_prefix(PACKAGES)
         out = [package_message(keys.decode(kv.value)) for kv in kvs]
         out.sort(key=lambda p: (p.name, p.pushed_at_unix_ms))
         return package_pb2.ListPackagesResponse(packages=out)
 
+    @rpc
     async def DeletePackage(
-        self, request: package_pb2.DeletePackageRequest, context: Ctx
+        self, request: package_pb2.DeletePackageRequest, context: Ctx, who: Identity
     ) -> package_pb2.PackageInfo:
-        await self._authorize(context, "DeletePackage")
-        m = _REF_RE.match(request.ref)
-        if not m:
-            await abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"ref: {request.ref!r} is not [NAME@]sha256:DIGEST"
-            )
-        hexd = m["hex"]
-        try:
-            if self.blobs is not None:
-                await asyncio.to_thread(remove_file, self.blobs.blob(hexd))
-            rec = await remove_holder(self.store, hexd, self.replica)
-        except Exception as e:
-            await self._fail(context, e)
-            raise
+        hexd = digest_hex(request.ref)
+        if self.blobs is not None:
+            await asyncio.to_thread(remove_file, self.blobs.blob(hexd))
+            await asyncio.to_thread(remove_file, self.blobs.chunks(hexd))
+        rec = await remove_holder(self.store, hexd, self.replica)
         if rec is None:
-            await abort(
-                context, grpc.StatusCode.NOT_FOUND, f"no package {request.ref} in the store; see `model list`"
-            )
+            raise NotFoundError(f"no package {request.ref} in the store; see `model list`")
         return package_message(rec)
 
-    async def _authorize(self, context: Ctx, name: str) -> Identity:
-        """The replica's revocation check (when serving in a replica), then the role table."""
-        if self.guard is not None:
-            await self.guard.admit(context, SVC + name)
-        return await authorize(context, SVC + name)
+    @rpc_stream
+    async def PullPackage(
+        self, request: package_pb2.PullPackageRequest, context: Ctx, who: Identity
+    ) -> AsyncIterator[package_pb2.PackageChunk]:
+        hexd = digest_hex(request.ref)
+        check_may_pull(self.feeds, who, hexd)
+        async for chunk in stream_package(self.store, self.blobs, self.replica, hexd, request.offset):
+            yield chunk
 
-    async def _fail(self, context: Ctx, e: Exception) -> None:
-        await fail(context, e)  # the one error mapping (controlplane/api/rpc.py)
+    # ------------------------------------------------------------------ policy
+    @rpc
+    async def GetPackagePolicy(
+        self, request: package_pb2.GetPackagePolicyRequest, context: Ctx, who: Identity
+    ) -> package_pb2.PackagePolicy:
+        return await get_policy(self.store)
 
+    @rpc
+    async def SetPackagePolicy(
+        self, request: package_pb2.SetPackagePolicyRequest, context: Ctx, who: Identity
+    ) -> package_pb2.PackagePolicy:
+        return await set_policy(self.store, request.require_signed_packages, str(who))
+
+    # ------------------------------------------------------------------ trusted keys
+    @rpc
     async def AddTrustedKey(
-        self, request: package_pb2.AddTrustedKeyRequest, context: Ctx
+        self, request: package_pb2.AddTrustedKeyRequest, context: Ctx, who: Identity
     ) -> package_pb2.TrustedKey:
-        who = await self._authorize(context, "AddTrustedKey")
         pem = request.public_key_pem.encode()
         if not pem or len(pem) > MAX_PEM_BYTES:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"public_key_pem: expected an Ed25519 public key PEM of at most {MAX_PEM_BYTES} bytes",
+            raise InvalidInput(
+                f"public_key_pem: expected an Ed25519 public key PEM of at most {MAX_PEM_BYTES} bytes"
             )
         if request.name and not _LABEL_RE.match(request.name):
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "name: use letters, digits, space, '.', '_', '@', '-', at most 63 characters",
-            )
-        try:
-            pub = parse_public_key(pem, "public_key_pem")
-        except ConfigError as e:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise InvalidInput("name: use letters, digits, space, '.', '_', '@', '-', at most 63 characters")
+        pub = parse_public_key(pem, "public_key_pem")  # ConfigError -> INVALID_ARGUMENT
         kid = key_id(pub)
         at = now_ms()
         rec: dict[str, object] = {
@@ -221,74 +226,56 @@ class PackageService(package_pb2_grpc.PackageServiceServicer):
             "at_ms": at,
         }
         audit = {"op": "add", "key_id": kid, "name": request.name, "by": str(who), "at_ms": at}
-        try:
-            res = await self.store.txn(
-                [Compare.absent(TRUST + kid)],
-                [
-                    PutOp(TRUST + kid, keys.encode(rec)),
-                    PutOp(f"{AUDIT_TRUST}{at:013d}-{kid}-add", keys.encode(audit)),
-                ],
-            )
-            if not res.succeeded:
-                kv = await self.store.get(TRUST + kid)
-                if kv is not None:
-                    return trusted_key_message(keys.decode(kv.value))
-                await abort(context, grpc.StatusCode.ABORTED, "the key changed meanwhile; try again")
-        except Exception as e:
-            await self._fail(context, e)
-            raise
+        res = await self.store.txn(
+            [Compare.absent(TRUST + kid)],
+            [
+                PutOp(TRUST + kid, keys.encode(rec)),
+                PutOp(f"{AUDIT_TRUST}{at:013d}-{kid}-add", keys.encode(audit)),
+            ],
+        )
+        if not res.succeeded:
+            kv = await self.store.get(TRUST + kid)
+            if kv is not None:
+                return trusted_key_message(keys.decode(kv.value))
+            raise ConcurrentChange("the key changed meanwhile; try again")
         return trusted_key_message(rec)
 
+    @rpc
     async def RemoveTrustedKey(
-        self, request: package_pb2.RemoveTrustedKeyRequest, context: Ctx
+        self, request: package_pb2.RemoveTrustedKeyRequest, context: Ctx, who: Identity
     ) -> package_pb2.TrustedKey:
-        who = await self._authorize(context, "RemoveTrustedKey")
         if not _KEY_ID_RE.match(request.key_id):
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"key_id: {request.key_id!r} is not a key id (ed25519: and 16 hex digits); see `model trust list`",
+            raise InvalidInput(
+                f"key_id: {request.key_id!r} is not a key id (ed25519: and 16 hex digits); see `model trust list`"
             )
-        try:
-            kv = await self.store.get(TRUST + request.key_id)
-            if kv is None:
-                await abort(
-                    context,
-                    grpc.StatusCode.NOT_FOUND,
-                    f"key {request.key_id} is not trusted; see `model trust list`",
-                )
-            rec = keys.decode(kv.value)
-            at = now_ms()
-            audit = {
-                "op": "remove",
-                "key_id": request.key_id,
-                "name": rec.get("name", ""),
-                "by": str(who),
-                "at_ms": at,
-            }
-            res = await self.store.txn(
-                [Compare.unchanged(TRUST + request.key_id, kv.mod_revision)],
-                [
-                    DeleteOp(TRUST + request.key_id),
-                    PutOp(f"{AUDIT_TRUST}{at:013d}-{request.key_id}-remove", keys.encode(audit)),
-                ],
-            )
-            if not res.succeeded:
-                await abort(context, grpc.StatusCode.ABORTED, "the key changed meanwhile; try again")
-        except Exception as e:
-            await self._fail(context, e)
-            raise
+        kv = await self.store.get(TRUST + request.key_id)
+        if kv is None:
+            raise NotFoundError(f"key {request.key_id} is not trusted; see `model trust list`")
+        rec = keys.decode(kv.value)
+        at = now_ms()
+        audit = {
+            "op": "remove",
+            "key_id": request.key_id,
+            "name": rec.get("name", ""),
+            "by": str(who),
+            "at_ms": at,
+        }
+        res = await self.store.txn(
+            [Compare.unchanged(TRUST + request.key_id, kv.mod_revision)],
+            [
+                DeleteOp(TRUST + request.key_id),
+                PutOp(f"{AUDIT_TRUST}{at:013d}-{request.key_id}-remove", keys.encode(audit)),
+            ],
+        )
+        if not res.succeeded:
+            raise ConcurrentChange("the key changed meanwhile; try again")
         return trusted_key_message(rec)
 
+    @rpc
     async def ListTrustedKeys(
-        self, request: package_pb2.ListTrustedKeysRequest, context: Ctx
+        self, request: package_pb2.ListTrustedKeysRequest, context: Ctx, who: Identity
     ) -> package_pb2.ListTrustedKeysResponse:
-        await self._authorize(context, "ListTrustedKeys")
-        try:
-            kvs, _ = await self.store.get_prefix(TRUST)
-        except Exception as e:
-            await self._fail(context, e)
-            raise
+        kvs, _ = await self.store.get_prefix(TRUST)
         out = [trusted_key_message(keys.decode(kv.value)) for kv in kvs]
         out.sort(key=lambda k: (k.added_at_unix_ms, k.key_id))
         return package_pb2.ListTrustedKeysResponse(keys=out)

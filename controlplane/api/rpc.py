@@ -27,6 +27,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import grpc
+from google.protobuf import empty_pb2
+from google.protobuf.message import Message
 
 from controlplane.api.auth import Ctx, abort, authorize
 from kunlun_common.errors import (
@@ -115,7 +117,9 @@ def rpc(
             if self.observe_call is not None:
                 self.observe_call(name, code, time.perf_counter() - t0)
             if self.guard is not None and self.guard.audited(method):
-                await self.guard.audit(context, method, request, code)  # type: ignore[arg-type]
+                # a client stream (PushPackage) is audited without its messages: they are the payload
+                said = request if isinstance(request, Message) else empty_pb2.Empty()
+                await self.guard.audit(context, method, said, code)
 
     call.__rpc_method__ = name  # type: ignore[attr-defined]
     return call

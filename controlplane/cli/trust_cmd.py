@@ -1,4 +1,5 @@
-"""`kunlun-cli model trust add|remove|list`: the cluster's trusted package-signing keys (operators)."""
+"""`kunlun-cli model trust add|remove|list`: the cluster's trusted package-signing keys (operators), and
+`kunlun-cli model policy get|set`: the cluster's package policy (`require_signed_packages`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ def register(msub: Any, common: argparse.ArgumentParser) -> None:
     r.set_defaults(handler=trust_remove)
     ls = tsub.add_parser("list", help="trusted keys: id, name, who added it and when", parents=[common])
     ls.set_defaults(handler=trust_list)
+    pol = msub.add_parser("policy", help="the cluster's package policy", parents=[common])
+    psub = pol.add_subparsers(dest="policy_cmd", required=True)
+    g = psub.add_parser("get", help="show the package policy, who set it and when", parents=[common])
+    g.set_defaults(handler=policy_get)
+    st = psub.add_parser("set", help="change the package policy (operators); audited", parents=[common])
+    st.add_argument(
+        "--require-signed-packages",
+        choices=["on", "off"],
+        required=True,
+        help="on: every node launches only packages signed by a key the cluster trusts",
+    )
+    st.set_defaults(handler=policy_set)
 
 
 def _json(k: package_pb2.TrustedKey) -> dict[str, Any]:
@@ -82,4 +95,35 @@ def trust_list(args: argparse.Namespace) -> int:
         for k in resp.keys
     ]
     print_table(["KEY ID", "NAME", "ADDED BY", "ADDED (UTC)"], rows)
+    return 0
+
+
+def _policy_json(p: package_pb2.PackagePolicy) -> dict[str, Any]:
+    return {
+        "require_signed_packages": p.require_signed_packages,
+        "updated_by": p.updated_by,
+        "updated_at_unix_ms": p.updated_at_unix_ms,
+    }
+
+
+def _print_policy(args: argparse.Namespace, p: package_pb2.PackagePolicy) -> None:
+    if args.output == "json":
+        print_json(_policy_json(p))
+        return
+    state = "on" if p.require_signed_packages else "off"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p.updated_at_unix_ms / 1000))
+    print(
+        f"require_signed_packages: {state}"
+        + (f"  (set by {p.updated_by} at {when} UTC)" if p.updated_by else "")
+    )
+
+
+def policy_get(args: argparse.Namespace) -> int:
+    _print_policy(args, _call(args, "GetPackagePolicy", package_pb2.GetPackagePolicyRequest()))
+    return 0
+
+
+def policy_set(args: argparse.Namespace) -> int:
+    req = package_pb2.SetPackagePolicyRequest(require_signed_packages=args.require_signed_packages == "on")
+    _print_policy(args, _call(args, "SetPackagePolicy", req))
     return 0

@@ -39,6 +39,7 @@ from controlplane.scheduler.requirement import (
     parse_pin,
     requirement_key,
 )
+from kunlun_common.names import sglang_refusal
 from kunlun_common.states import DeviceState
 
 __all__ = [
@@ -74,6 +75,7 @@ NODE_NOT_READY = "NodeNotReady"
 NODE_CORDONED = "NodeCordoned"
 NO_P2P_GROUP = "NoP2PGroup"
 UNSUPPORTED_DTYPE = "UnsupportedDtype"
+UNSUPPORTED_ENGINE = "UnsupportedEngine"
 INSUFFICIENT_MEMORY = "InsufficientMemory"
 TOO_HOT = "TooHot"
 INSUFFICIENT_DEVICES = "InsufficientDevices"
@@ -118,6 +120,13 @@ def node_cordoned(node: NodeView, config: SchedulerConfig) -> str | None:
 def device_type(device: DeviceView, req: Requirement) -> str | None:
     """CardTypeMismatch when preferred types are given and the type is not one of them."""
     return None if req.type_ok(device.device_type) else CARD_TYPE_MISMATCH
+
+
+def engine(device: DeviceView, req: Requirement) -> str | None:
+    """UnsupportedEngine when the workload's engine cannot run on the device's type (SGLang on a
+    vendor it has no backend for): the agent would refuse the launch, so never place it there."""
+    why = sglang_refusal(device.device_type) if req.engine == "sglang" else ""
+    return f"{UNSUPPORTED_ENGINE} (sglang on {device.device_type}: {why})" if why else None
 
 
 def pinned(device: DeviceView, req: Requirement) -> str | None:
@@ -256,6 +265,7 @@ FILTERS: tuple[Filter, ...] = (
     node_filter("node-ready", node_ready, NODE_NOT_READY),
     node_filter("node-cordoned", node_cordoned, NODE_CORDONED),
     profile_filter("device-type", device_type, CARD_TYPE_MISMATCH),
+    profile_filter("engine", engine, UNSUPPORTED_ENGINE),
     identity_filter("pin", pinned, PIN_MISMATCH, applies=_has_pin),
     profile_filter("precision", precision, UNSUPPORTED_DTYPE),
     profile_filter("memory", memory, INSUFFICIENT_MEMORY, rank=_hbm),

@@ -138,6 +138,9 @@ class WorkloadReq:
     only matching devices are candidates."""
     require_p2p: bool = False
     """For multi-device instances: every device must have p2p enabled (they are one type anyway)."""
+    engine: str = "sglang"
+    """The inference engine (`sglang` or `template`): SGLang cannot run on some vendors' devices
+    (`kunlun_common.names.sglang_refusal`), so it is a placement input."""
 
     def __post_init__(self) -> None:
         if self.devices_per_instance < 1:

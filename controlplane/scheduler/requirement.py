@@ -64,6 +64,7 @@ class RequirementInputs(NamedTuple):
     memory_per_device_mb: int
     devices_per_instance: int
     require_p2p: bool
+    engine: str
 
 
 _INPUTS = attrgetter(*RequirementInputs._fields)
@@ -97,6 +98,8 @@ class Requirement:
     """Devices per instance."""
     require_p2p: bool
     """Every device must have p2p enabled (only meaningful for more than one device)."""
+    engine: str = "sglang"
+    """The engine the instance runs (UnsupportedEngine where it cannot run on a device type)."""
 
     @staticmethod
     def of(workload: WorkloadReq) -> Requirement:
@@ -126,6 +129,7 @@ class Requirement:
             memory_per_device_mb=w.memory_per_device_mb,
             devices=w.devices_per_instance,
             require_p2p=w.require_p2p and w.devices_per_instance > 1,
+            engine=w.engine,
         )
 
     def type_ok(self, device_type: str) -> bool:

@@ -227,6 +227,7 @@ def workload_req(w: workload_pb2.Workload) -> WorkloadReq:
         preferred_device_types=tuple(s.preferred_device_types),
         pin=s.pin or None,
         require_p2p=s.require_p2p,
+        engine=s.engine or "sglang",
     )
 
 

@@ -34,10 +34,24 @@ CLUSTER_PREFIX = "/kunlun/"
 
 def _channel(endpoint_host_port: str, cert_dir: Path, server_name: str) -> grpc.aio.Channel:
     p = etcd_client_paths(cert_dir, ETCD_ADMIN)
-    creds = grpc.ssl_channel_credentials(p.ca.read_bytes(), p.key.read_bytes(), p.cert.read_bytes())
+    try:
+        creds = grpc.ssl_channel_credentials(p.ca.read_bytes(), p.key.read_bytes(), p.cert.read_bytes())
+    except OSError as e:
+        raise ConfigError(
+            f"{e.filename}: cannot be read ({e.strerror}); the etcd admin certificate folder must hold "
+            f"etcd-ca.crt and etcd-client/{ETCD_ADMIN}.crt|key (made by `kunlun-cli certs init`)"
+        ) from None
     return grpc.aio.secure_channel(
-        endpoint_host_port, creds, options=[("grpc.default_authority", server_name)]
+        endpoint_host_port,
+        creds,
+        options=[("grpc.default_authority", server_name), ("grpc.max_receive_message_length", 64 << 20)],
     )
+
+
+def admin_channel(endpoint: str, cert_dir: Path) -> grpc.aio.Channel:
+    """A channel to one etcd member (`https://HOST:PORT` or `HOST:PORT`) as `kunlun-admin`."""
+    host_port = endpoint.split("://", 1)[-1]
+    return _channel(host_port, cert_dir, host_port.rsplit(":", 1)[0].strip("[]"))
 
 
 async def _ignore_exists(call: Any) -> None:
@@ -48,9 +62,9 @@ async def _ignore_exists(call: Any) -> None:
             raise
 
 
-async def _enable(endpoint: str, cert_dir: Path, prefix: str) -> None:
-    host_port = endpoint.split("://", 1)[-1]
-    async with _channel(host_port, cert_dir, host_port.rsplit(":", 1)[0].strip("[]")) as ch:
+async def enable_auth_async(endpoint: str, cert_dir: Path, prefix: str = CLUSTER_PREFIX) -> None:
+    """Create the users and roles and enable authentication through one member (idempotent)."""
+    async with admin_channel(endpoint, cert_dir) as ch:
         auth = rpc.AuthStub(ch)
         t = 10.0
         no_password = rpc.UserAddOptions(no_password=True)
@@ -80,7 +94,7 @@ def enable_etcd_auth(endpoints: tuple[str, ...], cert_dir: Path, prefix: str = C
     last: Exception | None = None
     for ep in endpoints:
         try:
-            asyncio.run(_enable(ep, cert_dir, prefix))
+            asyncio.run(enable_auth_async(ep, cert_dir, prefix))
             return
         except grpc.aio.AioRpcError as e:
             last = e
@@ -89,6 +103,5 @@ def enable_etcd_auth(endpoints: tuple[str, ...], cert_dir: Path, prefix: str = C
 
 async def defragment(endpoint: str, cert_dir: Path, timeout_s: float = 60.0) -> None:
     """Defragment one member's backend (root role: the `kunlun-admin` certificate)."""
-    host_port = endpoint.split("://", 1)[-1]
-    async with _channel(host_port, cert_dir, host_port.rsplit(":", 1)[0].strip("[]")) as ch:
+    async with admin_channel(endpoint, cert_dir) as ch:
         await rpc.MaintenanceStub(ch).Defragment(rpc.DefragmentRequest(), timeout=timeout_s)

@@ -270,3 +270,137 @@ class DeletePackageRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeletePackageRequest: _TypeAlias = DeletePackageRequest  # noqa: Y015
+
+@_typing.final
+class PullPackageRequest(_message.Message):
+    """Agents pull a package they need through the control plane, in chunks, resuming after a cut."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """NAME@sha256:DIGEST or sha256:DIGEST. An agent may pull only a package that one of its node's
+    assignments names.
+    """
+    offset: _builtins.int
+    """First byte to send: 0, or the end of the last chunk the caller verified (a multiple of the
+    chunk size). The caller resumes from there after a cut.
+    """
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullPackageRequest: _TypeAlias = PullPackageRequest  # noqa: Y015
+
+@_typing.final
+class PackageChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """Where `data` starts in the package."""
+    data: _builtins.bytes
+    """At most `chunk_size` bytes: chunk number offset / chunk_size."""
+    sha256: _builtins.str
+    """SHA-256 (hex) of `data`, as the replica recorded it when it verified the package at push: the
+    caller refuses a chunk whose bytes disagree (the copy on this replica's disk changed).
+    """
+    total_bytes: _builtins.int
+    """The whole package's size, the chunk size and the serving replica's name (every message)."""
+    chunk_size: _builtins.int
+    replica: _builtins.str
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        sha256: _builtins.str = ...,
+        total_bytes: _builtins.int = ...,
+        chunk_size: _builtins.int = ...,
+        replica: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "data", b"data", "offset", b"offset", "replica", b"replica", "sha256", b"sha256", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackageChunk: _TypeAlias = PackageChunk  # noqa: Y015
+
+@_typing.final
+class PackagePolicy(_message.Message):
+    """Cluster-wide package policy (etcd `package-policy`), changed by operators, audited."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUIRE_SIGNED_PACKAGES_FIELD_NUMBER: _builtins.int
+    UPDATED_BY_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    require_signed_packages: _builtins.bool
+    """Agents launch only packages signed by a key the cluster trusts (`model trust add`); unsigned,
+    tampered or untrusted packages are refused on every node, the reason in `workload describe`.
+    """
+    updated_by: _builtins.str
+    updated_at_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        require_signed_packages: _builtins.bool = ...,
+        updated_by: _builtins.str = ...,
+        updated_at_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["require_signed_packages", b"require_signed_packages", "updated_at_unix_ms", b"updated_at_unix_ms", "updated_by", b"updated_by"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackagePolicy: _TypeAlias = PackagePolicy  # noqa: Y015
+
+@_typing.final
+class GetPackagePolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPackagePolicyRequest: _TypeAlias = GetPackagePolicyRequest  # noqa: Y015
+
+@_typing.final
+class SetPackagePolicyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUIRE_SIGNED_PACKAGES_FIELD_NUMBER: _builtins.int
+    require_signed_packages: _builtins.bool
+    def __init__(
+        self,
+        *,
+        require_signed_packages: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["require_signed_packages", b"require_signed_packages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetPackagePolicyRequest: _TypeAlias = SetPackagePolicyRequest  # noqa: Y015

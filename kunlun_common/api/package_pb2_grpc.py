@@ -64,6 +64,21 @@ class PackageServiceStub:
                 request_serializer=kunlun_dot_v1_dot_package__pb2.ListTrustedKeysRequest.SerializeToString,
                 response_deserializer=kunlun_dot_v1_dot_package__pb2.ListTrustedKeysResponse.FromString,
                 _registered_method=True)
+        self.PullPackage = channel.unary_stream(
+                '/kunlun.v1.PackageService/PullPackage',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.PullPackageRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.PackageChunk.FromString,
+                _registered_method=True)
+        self.GetPackagePolicy = channel.unary_unary(
+                '/kunlun.v1.PackageService/GetPackagePolicy',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.GetPackagePolicyRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.PackagePolicy.FromString,
+                _registered_method=True)
+        self.SetPackagePolicy = channel.unary_unary(
+                '/kunlun.v1.PackageService/SetPackagePolicy',
+                request_serializer=kunlun_dot_v1_dot_package__pb2.SetPackagePolicyRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_package__pb2.PackagePolicy.FromString,
+                _registered_method=True)
 
 
 class PackageServiceServicer:
@@ -110,6 +125,27 @@ class PackageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullPackage(self, request, context):
+        """Stream a stored package from `offset` (agents: only packages their node's assignments name).
+        UNAVAILABLE when this replica holds no copy (ask another), NOT_FOUND when no replica does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPackagePolicy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPackagePolicy(self, request, context):
+        """Change the cluster's package policy; audited.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PackageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +178,21 @@ def add_PackageServiceServicer_to_server(servicer, server):
                     servicer.ListTrustedKeys,
                     request_deserializer=kunlun_dot_v1_dot_package__pb2.ListTrustedKeysRequest.FromString,
                     response_serializer=kunlun_dot_v1_dot_package__pb2.ListTrustedKeysResponse.SerializeToString,
+            ),
+            'PullPackage': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullPackage,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.PullPackageRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.PackageChunk.SerializeToString,
+            ),
+            'GetPackagePolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPackagePolicy,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.GetPackagePolicyRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.PackagePolicy.SerializeToString,
+            ),
+            'SetPackagePolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPackagePolicy,
+                    request_deserializer=kunlun_dot_v1_dot_package__pb2.SetPackagePolicyRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_package__pb2.PackagePolicy.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +357,87 @@ class PackageService:
             '/kunlun.v1.PackageService/ListTrustedKeys',
             kunlun_dot_v1_dot_package__pb2.ListTrustedKeysRequest.SerializeToString,
             kunlun_dot_v1_dot_package__pb2.ListTrustedKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullPackage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kunlun.v1.PackageService/PullPackage',
+            kunlun_dot_v1_dot_package__pb2.PullPackageRequest.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.PackageChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPackagePolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.PackageService/GetPackagePolicy',
+            kunlun_dot_v1_dot_package__pb2.GetPackagePolicyRequest.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.PackagePolicy.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPackagePolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.PackageService/SetPackagePolicy',
+            kunlun_dot_v1_dot_package__pb2.SetPackagePolicyRequest.SerializeToString,
+            kunlun_dot_v1_dot_package__pb2.PackagePolicy.FromString,
             options,
             channel_credentials,
             insecure,

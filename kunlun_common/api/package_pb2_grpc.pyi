@@ -46,6 +46,13 @@ class PackageServiceStub:
     RemoveTrustedKey: _grpc.UnaryUnaryMultiCallable[_package_pb2.RemoveTrustedKeyRequest, _package_pb2.TrustedKey]
     """Stop trusting a key; NOT_FOUND when it is not trusted."""
     ListTrustedKeys: _grpc.UnaryUnaryMultiCallable[_package_pb2.ListTrustedKeysRequest, _package_pb2.ListTrustedKeysResponse]
+    PullPackage: _grpc.UnaryStreamMultiCallable[_package_pb2.PullPackageRequest, _package_pb2.PackageChunk]
+    """Stream a stored package from `offset` (agents: only packages their node's assignments name).
+    UNAVAILABLE when this replica holds no copy (ask another), NOT_FOUND when no replica does.
+    """
+    GetPackagePolicy: _grpc.UnaryUnaryMultiCallable[_package_pb2.GetPackagePolicyRequest, _package_pb2.PackagePolicy]
+    SetPackagePolicy: _grpc.UnaryUnaryMultiCallable[_package_pb2.SetPackagePolicyRequest, _package_pb2.PackagePolicy]
+    """Change the cluster's package policy; audited."""
 
 @_typing.type_check_only
 class PackageServiceAsyncStub(PackageServiceStub):
@@ -62,6 +69,13 @@ class PackageServiceAsyncStub(PackageServiceStub):
     RemoveTrustedKey: _aio.UnaryUnaryMultiCallable[_package_pb2.RemoveTrustedKeyRequest, _package_pb2.TrustedKey]  # type: ignore[assignment]
     """Stop trusting a key; NOT_FOUND when it is not trusted."""
     ListTrustedKeys: _aio.UnaryUnaryMultiCallable[_package_pb2.ListTrustedKeysRequest, _package_pb2.ListTrustedKeysResponse]  # type: ignore[assignment]
+    PullPackage: _aio.UnaryStreamMultiCallable[_package_pb2.PullPackageRequest, _package_pb2.PackageChunk]  # type: ignore[assignment]
+    """Stream a stored package from `offset` (agents: only packages their node's assignments name).
+    UNAVAILABLE when this replica holds no copy (ask another), NOT_FOUND when no replica does.
+    """
+    GetPackagePolicy: _aio.UnaryUnaryMultiCallable[_package_pb2.GetPackagePolicyRequest, _package_pb2.PackagePolicy]  # type: ignore[assignment]
+    SetPackagePolicy: _aio.UnaryUnaryMultiCallable[_package_pb2.SetPackagePolicyRequest, _package_pb2.PackagePolicy]  # type: ignore[assignment]
+    """Change the cluster's package policy; audited."""
 
 class PackageServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -111,5 +125,30 @@ class PackageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _package_pb2.ListTrustedKeysRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_package_pb2.ListTrustedKeysResponse, _abc.Awaitable[_package_pb2.ListTrustedKeysResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PullPackage(
+        self,
+        request: _package_pb2.PullPackageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_package_pb2.PackageChunk], _abc.AsyncIterator[_package_pb2.PackageChunk]]:
+        """Stream a stored package from `offset` (agents: only packages their node's assignments name).
+        UNAVAILABLE when this replica holds no copy (ask another), NOT_FOUND when no replica does.
+        """
+
+    @_abc_1.abstractmethod
+    def GetPackagePolicy(
+        self,
+        request: _package_pb2.GetPackagePolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_package_pb2.PackagePolicy, _abc.Awaitable[_package_pb2.PackagePolicy]]: ...
+
+    @_abc_1.abstractmethod
+    def SetPackagePolicy(
+        self,
+        request: _package_pb2.SetPackagePolicyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_package_pb2.PackagePolicy, _abc.Awaitable[_package_pb2.PackagePolicy]]:
+        """Change the cluster's package policy; audited."""
 
 def add_PackageServiceServicer_to_server(servicer: PackageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

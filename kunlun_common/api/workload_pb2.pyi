@@ -69,7 +69,9 @@ class WorkloadSpec(_message.Message):
     model: _builtins.str
     """Model path or name."""
     engine: _builtins.str
-    """"sglang" (default) or "template" (then command_template is used)."""
+    """"sglang" (default), "template" (then command_template is used) or "test" (the built-in test
+    engine: no weights, no accelerator code; `kunlun-cli verify` deploys it).
+    """
     command_template: _builtins.str
     quantization: _builtins.str
     """"none", "w8a8", "int8", "fp8", "int4"."""

@@ -256,7 +256,7 @@ class InstanceWorker:
         self._set(phase=InstancePhase.PENDING, reason=after or "preparing", pid=0)
         t0 = time.monotonic()
         try:
-            prep = await prepare(self.ctx, self.assignment, self.port)
+            prep = await prepare(self.ctx, self.assignment, self.port, lambda msg: self._set(reason=msg))
         except PrepareError as e:
             if not e.permanent:
                 return Ended(str(e))

@@ -43,6 +43,7 @@ from kunlun_common.names import parse_device_name
 from kunlun_common.states import SERVING, InstancePhase
 from node_agent.executor.instance import InstanceWorker, read_saved
 from node_agent.executor.prepare import NodeContext
+from node_agent.executor.simload import LOAD_POLL_S, EngineLoad
 from node_agent.executor.supervisor_api import SupervisorHandle, adopt, alive, reap, stop
 from node_agent.simulation import ChipUsage
 
@@ -106,6 +107,7 @@ class ExecutorManager:
         self._wake = asyncio.Event()
         self._chips_dirty = asyncio.Event()
         self._chips_written: dict[tuple[str, int], tuple[int, float]] = {}
+        self._load = EngineLoad()
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------------------------ inputs
@@ -139,6 +141,11 @@ class ExecutorManager:
         self._wake.set()
         return True
 
+    def packages_in_use(self) -> set[str]:
+        """Hex digests of the packages the assigned instances (and the running workers) name."""
+        specs = [a.spec for a in self.desired.values()] + [w.assignment.spec for w in self.workers.values()]
+        return {s.package.rsplit(":", 1)[-1] for s in specs if s.package}
+
     def instance_dir(self, instance_id: str) -> Path | None:
         """The dir of an instance on this node (for its logs), or None."""
         if not _ID_RE.match(instance_id):
@@ -170,6 +177,7 @@ class ExecutorManager:
             ("reconcile", self._reconcile_loop()),
             ("disconnect-watchdog", self._watchdog()),
             ("sim-chips", self._chips_loop()),
+            ("sim-load", self._load_loop()),
         ):
             self._tasks.append(asyncio.create_task(coro, name=name))
         self._chips_dirty.set()
@@ -336,6 +344,9 @@ class ExecutorManager:
             if phase not in SERVING:
                 continue
             util = RUNNING_UTILIZATION if phase == InstancePhase.RUNNING else STARTING_UTILIZATION
+            util += (
+                self._load.extra.get(w.assignment.instance_id, 0.0) if phase == InstancePhase.RUNNING else 0.0
+            )
             for name in w.assignment.devices:
                 with contextlib.suppress(ValueError):
                     p = parse_device_name(name)
@@ -356,6 +367,20 @@ class ExecutorManager:
             changes = {k: v for k, v in want.items() if self._chips_written.get(k) != v}
             if changes:
                 await asyncio.to_thread(self._write_chips, changes)
+
+    async def _load_loop(self) -> None:
+        """Simulated nodes: follow the Running engines' request rates (`simload`)."""
+        if self.chip_usage is None:
+            return
+        while True:
+            await asyncio.sleep(LOAD_POLL_S)
+            engines = {
+                iid: (self.ctx.address, w.port)
+                for iid, w in self.workers.items()
+                if w.status.phase == InstancePhase.RUNNING and w.port
+            }
+            if await self._load.poll(engines):
+                self._chips_dirty.set()
 
     def _write_chips(self, changes: dict[tuple[str, int], tuple[int, float]]) -> None:
         assert self.chip_usage is not None

@@ -1,13 +1,14 @@
 """Offline model packages on a node: find, verify, unpack, and seed the compile cache before a launch.
 
 A workload spec naming `package: NAME@sha256:DIGEST` is launched from the package's unpacked folder.
-The node-local store is `<state_dir>/packages/`: operators (or a pull) put `.kunlunpkg` files in
-`incoming/`; the first launch that needs a digest verifies the file and unpacks it in the same pass
+The node-local store is `<state_dir>/packages/` (package_cache.py): operators put `.kunlunpkg` files
+in `incoming/`, pulls from the cluster store land in `pulled/`; the first launch that needs a digest verifies the file and unpacks it in the same pass
 into `unpacked/<hex>/`, then writes `.verified` (cached by digest: later launches reuse it). The
 digest is recomputed from the bytes read, so a file swapped after it was found is still caught.
 
-With `--require-signed-packages` the signature must verify with a key in `--trusted-keys`; without
-it, the hashes are checked and the signature is not. Any problem fails the instance permanently
+When signatures are required (the agent's `--require-signed-packages` or the cluster policy) the
+signature must verify with a trusted key (`--trusted-keys` and the cluster's); otherwise the hashes
+are checked and the signature is not. A pulled file is deleted once unpacked, and when it fails. Any problem fails the instance permanently
 (`PrepareError`), with the reason in `workload describe`; no engine is started.
 """
 
@@ -37,8 +38,13 @@ class Unpacked:
     key_id: str | None
 
 
-def _find(incoming: Path, name: str, digest: str) -> Path:
-    for f in sorted(incoming.glob("*.kunlunpkg")) if incoming.is_dir() else []:
+def find(root: Path, name: str, digest: str) -> Path:
+    """The package file `name@digest` on this node: pulled, or copied into `incoming/`."""
+    pulled = root / "pulled" / f"{digest.removeprefix('sha256:')}.kunlunpkg"
+    incoming = root / "incoming"
+    candidates = [pulled] if pulled.is_file() else []
+    candidates += sorted(incoming.glob("*.kunlunpkg")) if incoming.is_dir() else []
+    for f in candidates:
         try:
             head = read_head(f)
         except PackageError:
@@ -55,12 +61,19 @@ def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: 
     name, _, digest = ref.partition("@")
     dest = root / "unpacked" / digest.removeprefix("sha256:")
     marker = dest / MARKER
+    if marker.is_file() and require_signed and not signature_checked(dest):
+        shutil.rmtree(dest, ignore_errors=True)  # unpacked when signatures were not required: check again
     if marker.is_file():
         kid = json.loads(marker.read_text()).get("key_id")
-        if require_signed and (kid is None or kid not in trusted.keys):
-            raise PackageRefused(f"verified earlier without a trusted signature ({kid or 'unsigned'})")
+        if require_signed and kid is None:
+            raise PackageRefused("package is unsigned; signed packages are required on this cluster")
+        if require_signed and kid not in trusted.keys:
+            raise PackageRefused(
+                f"package signed by key {kid}, which is not trusted now; trust it (`kunlun-cli model trust add`)"
+            )
     else:
-        src = _find(root / "incoming", name, digest)
+        src = find(root, name, digest)
+        pulled = src.parent.name == "pulled"
         tmp = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -73,18 +86,48 @@ def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: 
             )
         except PackageError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise PackageRefused(f"{src.name}: {e}") from None
+            if pulled:
+                src.unlink(missing_ok=True)
+            raise PackageRefused(f"{'pulled package' if pulled else src.name}: {e}") from None
         if v.head.digest != digest:
             shutil.rmtree(tmp, ignore_errors=True)
             raise PackageRefused(f"{src.name} changed while being verified (digest {v.head.digest})")
         kid = v.key_id
-        (tmp / MARKER).write_text(json.dumps({"key_id": kid, "source": src.name}))
+        marker_data = {
+            "key_id": kid,
+            "source": src.name,
+            "bytes": _tree_bytes(tmp),
+            "signature_checked": require_signed,
+        }
+        (tmp / MARKER).write_text(json.dumps(marker_data))
         if dest.exists():  # another start unpacked it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.rename(dest)
+        if pulled:
+            src.unlink(missing_ok=True)
     cache = dest / CACHE_DIR
     return Unpacked(dest / MODEL_DIR, cache if cache.is_dir() else None, kid)
+
+
+def signature_checked(d: Path) -> bool:
+    """Whether the unpacked package's signature was checked (and found trusted, or absent)."""
+    try:
+        return bool(json.loads((d / MARKER).read_text()).get("signature_checked", False))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _tree_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def unpacked_bytes(d: Path) -> int:
+    """Bytes of an unpacked package (recorded in its marker; counted when an older marker lacks it)."""
+    try:
+        return int(json.loads((d / MARKER).read_text())["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return _tree_bytes(d)
 
 
 def seed_cache(pkg: Unpacked, cache_dir: Path) -> int:

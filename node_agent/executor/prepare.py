@@ -13,6 +13,8 @@ Engines (`spec.engine`):
   same arguments instead (and says so in the instance's reason); without the flag the instance is
   Failed, naming the node and the fix.
 * `template`: `spec.command_template` with its placeholders (see `launch_plan`).
+* `test`: the built-in test engine (kunlun-test-engine) under the agent's own interpreter; what
+  `kunlun-cli verify` deploys.
 
 Workload values mapped to SGLang's: dtype fp16/bf16/fp32 -> float16/bfloat16/float32; quantization
 none -> (the checkpoint's own), fp8 -> fp8, w8a8/int8 -> w8a8_int8, int4 -> (the checkpoint's own:
@@ -44,6 +46,7 @@ from kunlun_common.names import parse_device_name
 from node_agent.executor import packages
 from node_agent.executor.cgroups import CgroupLimits
 from node_agent.executor.launch_plan import EngineRequest, LaunchPlan, LaunchSettings, build_launch_plan
+from node_agent.executor.package_cache import CacheFull, PackageCache, PullFailed
 from node_agent.executor.sandbox import SandboxSettings, build_env
 from node_agent.executor.supervisor_api import SupervisorSpec
 from node_agent.plugins.contract import AllocateResult, DevicePlugin
@@ -95,6 +98,9 @@ class NodeContext:
     """The node's devices now."""
     plugin: Callable[[str], DevicePlugin | None]
     """The plugin serving a device type now."""
+    package_cache: PackageCache | None = None
+    """The node's package cache (pulls through the control plane); None: packages only from the
+    node's `packages/incoming/` folder, checked with the agent's own flags."""
 
 
 @dataclass(frozen=True)
@@ -212,21 +218,36 @@ def _engine_request(
     )
 
 
-async def package_for(ctx: NodeContext, a: agent_pb2.Assignment) -> packages.Unpacked:
-    """The verified, unpacked model package of the spec (see packages.py); refused: Failed for good."""
+async def package_for(
+    ctx: NodeContext, a: agent_pb2.Assignment, progress: Callable[[str], None]
+) -> packages.Unpacked:
+    """The verified, unpacked model package of the spec (see packages.py, package_cache.py); refused:
+    Failed for good; not pullable now or no room in the cache: retried after a back-off."""
     s = ctx.settings
+    what = f"package {a.spec.package[:40]}…"
     try:
+        if ctx.package_cache is not None:
+            return await ctx.package_cache.resolve(a.spec.package, progress)
         return await packages.resolve(
             ctx.instances_dir, a.spec.package, s.trusted_keys_dir, s.require_signed_packages
         )
+    except (PullFailed, CacheFull) as e:
+        raise PrepareError(f"{what}: {e}", permanent=False) from None
     except (packages.PackageRefused, KunlunError) as e:
-        raise PrepareError(f"package {a.spec.package[:40]}…: {e}", permanent=True) from None
+        raise PrepareError(f"{what}: {e}", permanent=True) from None
 
 
-async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int) -> Prepared:
-    """Allocate the devices and build the supervisor spec of one start (raises PrepareError)."""
+async def prepare(
+    ctx: NodeContext,
+    a: agent_pb2.Assignment,
+    preferred_port: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Prepared:
+    """Allocate the devices and build the supervisor spec of one start (raises PrepareError);
+    `progress` is told what takes time (a package pull) in words."""
     s = ctx.settings
     device_type, devs = _devices(ctx, list(a.devices))
+    pkg = await package_for(ctx, a, progress) if a.spec.package else None  # before any device is touched
     plugin = ctx.plugin(device_type)
     if plugin is None:
         raise PrepareError(
@@ -243,7 +264,6 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
         raise PrepareError(f"device plugin {plugin.name} failed to allocate: {e}", permanent=False) from None
     port = await asyncio.to_thread(pick_port, ctx.address, preferred_port)
     req = _engine_request(a, device_type, devs, alloc, ctx.address, port)
-    pkg = await package_for(ctx, a) if a.spec.package else None
     if pkg is not None:
         req = replace(req, model=str(pkg.model_dir))
     try:
@@ -253,6 +273,10 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
     except ConfigError as e:
         raise PrepareError(f"workload {a.spec.name}: {e}", permanent=True) from None
     argv, env, note = plan.argv, dict(plan.env), ""
+    if req.engine == "test":  # the agent's own interpreter: the engine python need not have this package
+        argv = (sys.executable, *plan.argv[1:])
+        env["PYTHONPATH"] = str(_REPO_ROOT)
+        note = "serving with kunlun-test-engine (the built-in test engine)"
     if req.engine == "sglang":
         problem = await asyncio.to_thread(sglang_problem, s.engine_python)
         if problem is not None and not s.test_engine_fallback:
@@ -287,6 +311,8 @@ async def prepare(ctx: NodeContext, a: agent_pb2.Assignment, preferred_port: int
         spec_env=spec_env,
         device_nodes=plan.device_nodes,
         user=s.engine_user,
+        writable_paths=(str(plan.cache_dir),) if plan.cache_dir is not None else (),
+        readable_paths=(str(pkg.model_dir),) if pkg is not None else (),
         limits=limits,
         cgroup_parent=f"{s.cgroup_parent}/{ctx.node}",
         sandbox=ctx.sandbox,
