@@ -19,9 +19,13 @@ Python 3.11 has no `os.unshare`, so namespaces come from util-linux `unshare(1)`
   TZ...) plus what the device plugin returned plus what the spec asks for explicitly: nothing else
   leaks (no LD_LIBRARY_PATH, HIP_PATH, *_PROXY, credentials).
 
+* In the engine's child the init drops every privilege (`confine.py`): the engine user, no
+  capabilities, no_new_privs, the seccomp allowlist; the host file system is read-only in its view
+  except its own folders, and the agent's folders are hidden (`mount_view.py`). On a node without
+  namespaces the supervisor drops the privileges itself before exec.
+
 Allocated device nodes that do not exist on this host (simulated devices) are skipped and
-reported in `SandboxedCommand.skipped_devices`. A root engine could mknod or remount its way
-out of the private /dev; run engines as an unprivileged `user` where the stack allows it.
+reported in `SandboxedCommand.skipped_devices`.
 """
 
 from __future__ import annotations

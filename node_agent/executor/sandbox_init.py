@@ -1,11 +1,14 @@
 """The sandbox init: pid 1 of an engine's PID namespace, inside its mount namespace.
 
 Started by `unshare(1)` as `python -I -c <import init_main> --init CONFIG -- ARGV...` (see
-`sandbox.py`, which builds the command line). It imports the standard library only, so it starts
-fast. It mounts a private /tmp and a private /dev (the allowed device nodes, /dev/shm), forks the
-engine in its working directory (optionally as an unprivileged user), forwards signals to it, reaps
-zombies, and reports the engine's real exit status as JSON lines on an inherited status fd.
-`--probe` only says whether namespaces and mounts work here (for `detect_protections`).
+`sandbox.py`, which builds the command line). It imports the standard library only (the seccomp
+binding is loaded in the engine's child), so it starts fast. It builds the engine's file-system view
+(`mount_view.py`: host read-only, private /tmp and /dev with /dev/shm, the agent's folders hidden,
+the engine's own folders bound back), forks the engine in its working directory, drops every
+privilege there (`confine.py`: user, capabilities, no_new_privs, seccomp), forwards signals to it,
+reaps zombies, and reports the engine's real exit status as JSON lines on an inherited status fd.
+`--probe` only says whether namespaces, mounts and read-only remounts work here (for
+`detect_protections`).
 """
 
 from __future__ import annotations
