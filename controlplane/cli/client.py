@@ -53,7 +53,7 @@ class Client:
         before paging answers everything in its first reply, which ends the loop too)."""
         out: list[workload_pb2.WorkloadSummary] = []
         token = ""
-        for _ in range(100_000):  # bounded: a page always moves forward
+        for _page in range(100_000):  # bounded: a page always moves forward
             resp = self.workloads(
                 lambda s: s.ListWorkloads,
                 workload_pb2.ListWorkloadsRequest(page_size=page_size, page_token=token),
