@@ -52,6 +52,7 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
+from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("replica")
@@ -65,6 +66,7 @@ class Replica:
         own = settings.cert_paths()
         cert = own.cert
         self.tls = tls.load_tls(own, expect_roles=("replica",))
+        self.live_tls = LiveTls(self.tls, expect_roles=("replica",))
         etcd_paths = settings.etcd_cert_paths()
         if self.tls.identity.name != settings.name:
             raise ConfigError(
@@ -255,6 +257,18 @@ class Replica:
             revocations.cancel()
             raise TemporaryError("could not read the revocation list from etcd within 30 s") from None
         await self.seen.saw(x509.load_pem_x509_certificate(self.tls.cert), "replica")
+
+        def reloaded(m: tls.TlsMaterial) -> None:  # SIGHUP: new connections use the new certificate
+            self.tls = workload.tls = ledger.tls = m
+            if self.metrics_server is not None:
+                self.metrics_server.reload(m)
+            self._tasks.append(
+                asyncio.create_task(
+                    self.seen.saw(x509.load_pem_x509_certificate(m.cert), "replica"), name="seen"
+                )
+            )
+
+        self.live_tls.on_reload(reloaded)
         cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster, server)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
         workload_pb2_grpc.add_WorkloadServiceServicer_to_server(workload, server)
@@ -267,7 +281,7 @@ class Replica:
         security_pb2_grpc.add_SecurityServiceServicer_to_server(security, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
-            server.add_secure_port(self.settings.listen, tls.server_credentials(self.tls))
+            server.add_secure_port(self.settings.listen, self.live_tls.server_credentials())
         except RuntimeError as e:
             raise ConfigError(
                 f"listen: cannot listen on {self.settings.listen} ({e}); is the port in use?"
@@ -328,6 +342,7 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter, *replica._tasks]
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

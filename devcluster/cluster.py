@@ -264,6 +264,19 @@ class LocalCluster:
         if self.spec.gateways:
             self.start_gateways()
 
+    def reload_certs(self) -> None:
+        """Hand every process its (rotated) certificate again and send it SIGHUP, as an operator
+        does after `kunlun-cli certs rotate`; etcd members re-read theirs on each handshake."""
+        import signal
+
+        for m in self.etcd.members:
+            bundle(self.cert_dir, m.data_dir.parent / "certs", "etcd", m.name)
+        for role, procs in (("replica", self.replicas), ("agent", self.agents), ("gateway", self.gateways)):
+            for name, proc in procs.items():
+                self.bundle(role, name)
+                if proc.alive():
+                    proc.signal(signal.SIGHUP)
+
     def distribute_crl(self) -> None:
         """Copy certs/crl/etcd.crl (rewritten by `kunlun-cli certs revoke --dir`) into every etcd
         member's folder, as an operator copies it to the etcd hosts; etcd reads it on each new

@@ -60,6 +60,23 @@ class Gateway:
         self.revoked = RevokedSerials()
         """Revoked serials, fetched from the replicas (the metrics exporter refuses them)."""
 
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: re-read the control-plane certificate; the next
+        connection to a replica and every new scrape use it, open streams carry on."""
+        if self.material is None:
+            return
+        from kunlun_common import tls
+        from kunlun_common.reload import LiveTls
+
+        live = LiveTls(self.material, expect_roles=("gateway",))
+        if not live.reload():
+            return
+        self.material = live.material
+        if self.feed is not None:
+            self.feed.creds = tls.channel_credentials(self.material)
+        if self.metrics is not None:
+            self.metrics.reload(self.material)
+
     def _material(self) -> TlsMaterial:
         assert self.material is not None
         return self.material
@@ -240,6 +257,7 @@ async def serve(settings: GatewaySettings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gw.reload_certificates)
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([waiter, *gw._tasks], return_when=asyncio.FIRST_COMPLETED)
     for t in done:

@@ -48,20 +48,26 @@ def split_listen(address: str, what: str = "metrics_listen") -> tuple[str, int]:
 
 def server_context(material: TlsMaterial) -> ssl.SSLContext:
     """TLS context of the exporter: our certificate, and a client certificate from the cluster CA."""
-    import os
-    import tempfile
-
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.load_verify_locations(cadata=material.ca.decode())
+    load_pair(ctx, material)
+    return ctx
+
+
+def load_pair(ctx: ssl.SSLContext, material: TlsMaterial) -> None:
+    """Put `material`'s certificate and key into `ctx` (again on reload: new handshakes use it)."""
+    import os
+    import tempfile
+
     # ssl wants files for the key pair: load from the process's own certificate folder when the paths
     # hold exactly the loaded material, else from a private temporary copy removed at once
     paths = material.paths
     try:
         if paths.cert.read_bytes() == material.cert and paths.key.read_bytes() == material.key:
             ctx.load_cert_chain(str(paths.cert), str(paths.key))
-            return ctx
+            return
     except OSError:
         pass
     fd, tmp = tempfile.mkstemp(prefix="kunlun-metrics-", suffix=".pem")
@@ -71,13 +77,15 @@ def server_context(material: TlsMaterial) -> ssl.SSLContext:
         ctx.load_cert_chain(tmp)
     finally:
         os.unlink(tmp)
-    return ctx
 
 
 class CertificateCollector(Collector):
     """`kunlun_certificate_expiry_timestamp_seconds` of the process's own certificate and its CA."""
 
     def __init__(self, material: TlsMaterial) -> None:
+        self.update(material)
+
+    def update(self, material: TlsMaterial) -> None:
         cert = x509.load_pem_x509_certificate(material.cert)
         ca = x509.load_pem_x509_certificate(material.ca)
         ident = material.identity
@@ -117,14 +125,16 @@ class MetricsServer:
         self.address = ""
         self.scrapes = 0
         self._lock = asyncio.Lock()
-        registry.register(CertificateCollector(material))
+        self.cert_rows = CertificateCollector(material)
+        registry.register(self.cert_rows)
+        self.ctx: ssl.SSLContext | None = None
 
     async def start(self) -> str:
         """Start serving; return the bound host:port (port 0 in `listen` picks a free one)."""
         host, port = split_listen(self.listen)
         try:
             self.server = await asyncio.start_server(
-                self._client, host, port, ssl=server_context(self.material), limit=MAX_HEADER_BYTES
+                self._client, host, port, ssl=self._context(), limit=MAX_HEADER_BYTES
             )
         except OSError as e:
             raise ConfigError(
@@ -134,6 +144,17 @@ class MetricsServer:
         self.address = f"{host}:{bound[1]}"
         log.info("metrics exporter serving", address=self.address, scheme="https", client_role="monitoring")
         return self.address
+
+    def _context(self) -> ssl.SSLContext:
+        self.ctx = server_context(self.material)
+        return self.ctx
+
+    def reload(self, material: TlsMaterial) -> None:
+        """Serve new connections with `material` (SIGHUP after `certs rotate`)."""
+        self.material = material
+        self.cert_rows.update(material)
+        if self.ctx is not None:
+            load_pair(self.ctx, material)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -115,14 +115,18 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
     data = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.replace(tmp, path)  # a reader sees the old key or the new one, never a partial file
 
 
 def _write_cert(path: Path, cert: x509.Certificate) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    os.replace(tmp, path)
 
 
 def _ca_key_path(cert_dir: Path, ca_file: str) -> Path:
@@ -287,6 +291,45 @@ def init_cluster_certs(cert_dir: str | os.PathLike[str], spec: ClusterCerts = Cl
     if not (Path(cert_dir) / ETCD_CRL).exists():
         write_crl(cert_dir, ())  # etcd needs its --client-crl-file from the start
     return out
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """One certificate `renew` replaced."""
+
+    role: str
+    name: str
+    old_serial: int
+    new_serial: int
+    not_after: dt.datetime
+
+
+def certificates(cert_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """(role, name) of every certificate in a `certs init` folder."""
+    base = Path(cert_dir)
+    return [(role, p.stem) for role in (*ROLES, ETCD_CLIENT) for p in sorted((base / role).glob("*.crt"))]
+
+
+def renew(cert_dir: str | os.PathLike[str], role: str, name: str, days: int = DEFAULT_DAYS) -> Renewed:
+    """Re-issue `role/name` with a new key and serial, the same names and addresses, for `days`
+    (the key and certificate files are each replaced atomically, key first)."""
+    paths = paths_for(cert_dir, role, name)
+    try:
+        old = x509.load_pem_x509_certificate(paths.cert.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{paths.cert}: cannot read the certificate to renew ({e})") from None
+    hosts: list[str] = []
+    try:
+        san = old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        hosts = [
+            *san.get_values_for_type(x509.DNSName),
+            *(str(a) for a in san.get_values_for_type(x509.IPAddress)),
+        ]
+    except x509.ExtensionNotFound:
+        pass
+    new_paths = issue(cert_dir, role, name, hosts=hosts or DEFAULT_HOSTS, days=days, overwrite=True)
+    new = x509.load_pem_x509_certificate(new_paths.cert.read_bytes())
+    return Renewed(role, name, old.serial_number, new.serial_number, new.not_valid_after_utc)
 
 
 CRL_DIR = "crl"

@@ -16,9 +16,11 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
+from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
+from node_agent.executor.hardening import plan_hardening, protect_key_folder, with_engine_user
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.package_cache import PackageCache
 from node_agent.executor.package_pull import PackagePuller, PullSettings
@@ -26,7 +28,6 @@ from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
 from node_agent.executor.sandbox import (
     Protections,
-    SandboxSettings,
     detect_protections,
     require_protections,
 )
@@ -87,6 +88,8 @@ class Agent:
         self.config = config or load_config(settings.config_path)
         paths = paths_for(settings.cert_dir, "agent", self.config.node_name)
         self.tls = tls.load_tls(paths, expect_roles=("agent",))
+        self.live_tls = LiveTls(self.tls, expect_roles=("agent",))
+        self.live_tls.on_reload(self._reloaded)
         if self.tls.identity.name != self.config.node_name:
             raise ConfigError(
                 f"{paths.cert}: certificate is for node {self.tls.identity.name!r} but {settings.config_path} "
@@ -101,6 +104,11 @@ class Agent:
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.protections = detect_protections()
         require_protections(self.protections, settings.executor.allow_unsandboxed)
+        protect_key_folder(settings.cert_dir, paths.key.parent, paths.key)
+        # engines never see the certificates nor the agent's state (their own folders are bound back)
+        self.hardening = plan_hardening(
+            settings.executor, self.protections, (settings.cert_dir, str(self.state_dir))
+        )
         ex = settings.executor
         package_cache = PackageCache(
             root=state_dir.resolve() / "packages",
@@ -117,8 +125,8 @@ class Agent:
             address=self.config.address,
             instances_dir=state_dir.resolve() / "instances",
             cache_root=state_dir.resolve() / "cache",
-            settings=settings.executor,
-            sandbox=SandboxSettings().restricted_to(self.protections),
+            settings=with_engine_user(settings.executor, self.hardening),
+            sandbox=self.hardening.sandbox,
             cgroups=self.protections.cgroup_memory
             or self.protections.cgroup_pids
             or self.protections.cgroup_cpu,
@@ -128,18 +136,19 @@ class Agent:
         )
         self.executor = ExecutorManager(
             ctx,
-            protection_names(self.protections),
+            [*protection_names(self.protections), *self.hardening.names],
             self._seconds_since_contact,
             simulated.chip_usage if simulated is not None else None,
             fence_deadline_s=settings.executor.disconnect_stop_s,
         )
         self.revoked = revocation.RevokedSerials()
         self.node_service = NodeServiceServer(
-            self.tls,
+            self.live_tls,
             NodeServiceServicer(
                 self.config.node_name,
                 self.executor.instance_dir,
                 ledger.ledger_path(self.state_dir),
+                plugins=lambda: list(self.devices.plugins.values()),
                 revoked=self.revoked,
             ),
         )
@@ -158,6 +167,14 @@ class Agent:
             reports=self.executor.report,
             report_changed=self.executor.changed,
         )
+
+    def _reloaded(self, material: tls.TlsMaterial) -> None:
+        """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
+        at the NodeService and the exporter use the new certificate; the open stream carries on."""
+        self.tls = material
+        self.link.creds = tls.channel_credentials(material)
+        if self.metrics is not None:
+            self.metrics.reload(material)
 
     def _registration(self) -> agent_pb2.RegisterNode:
         reg = registration(
@@ -258,7 +275,7 @@ class Agent:
             simulated=self.config.simulated,
             endpoints=list(self.settings.endpoints),
             node_service=self.node_service_address,
-            protections=protection_names(self.protections),
+            protections=[*protection_names(self.protections), *self.hardening.names],
             protection_notes=list(self.protections.notes),
         )
         tasks = [
@@ -273,6 +290,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.live_tls.reload)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:

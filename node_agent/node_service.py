@@ -8,6 +8,10 @@ certificate of the replica CA (role `replica`): the TLS layer trusts no other is
 (`executor/logfiles.py`): the last `tail` lines (0: all kept), then, with `follow`, every new line
 until the caller cancels or the instance is removed from the node. Lines come whole, in order, each
 exactly once, in chunks of at most CHUNK_LINES.
+
+`ToolReading(node)`: every vendor tool of the node runs now (in a thread, through the in-process
+plugin's adapter, whatever plugin serves the devices) and its parsed figures and raw output come back,
+so an operator can hold the platform's telemetry against the tool's own reading (`kunlun-cli verify`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ import structlog
 from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import ConfigError
+from kunlun_common.reload import LiveTls
 from kunlun_common.revocation import RevokedSerials
 from node_agent.assignment_check import id_problem
 from node_agent.executor import ledger
 from node_agent.executor.logfiles import LogFollower, LogSettings
+from node_agent.plugins.vendor_plugin import ToolSample, VendorPlugin
 
 log = structlog.get_logger("node-service")
 CHUNK_LINES = 1000
+MAX_RAW_OUTPUT = 64_000
 ALLOWED_ROLES = ("replica",)
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -46,12 +53,14 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
         instance_dir: Callable[[str], Path | None],
         ledger_file: Path | None = None,
         poll_s: float = 0.2,
+        plugins: Callable[[], list[VendorPlugin]] | None = None,
         revoked: RevokedSerials | None = None,
     ) -> None:
         self.node = node
         self.revoked = revoked
         self.instance_dir = instance_dir
         self.ledger_file = ledger_file
+        self.plugins = plugins or (lambda: [])
         self.poll_s = poll_s
         self.log_file = LogSettings().file_name
 
@@ -142,12 +151,63 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
                 continue
         return out
 
+    async def ToolReading(
+        self, request: agent_pb2.ToolReadingRequest, context: Ctx
+    ) -> agent_pb2.ToolReadingResponse:
+        """Run every vendor tool of the node now; what each printed, parsed and raw."""
+        ident = tls.peer_identity(context.auth_context())  # type: ignore[arg-type]
+        if ident is None or ident.role not in ALLOWED_ROLES:
+            log.warning("refused ToolReading call", identity=str(ident), peer=context.peer())
+            await _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{ident or 'a caller without certificate'} may not run the vendor tools of node "
+                f"{self.node} (allowed roles: {', '.join(ALLOWED_ROLES)})",
+            )
+        await self._refuse_revoked(context)
+        if request.node and request.node != self.node:
+            await _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"this agent serves node {self.node}, not {request.node!r}",
+            )
+        out = agent_pb2.ToolReadingResponse()
+        for plugin in self.plugins():
+            sample = await asyncio.to_thread(plugin.poll)
+            out.readings.append(tool_reading(plugin, sample))
+        return out
+
+
+def tool_reading(plugin: VendorPlugin, sample: ToolSample) -> agent_pb2.ToolReading:
+    """One sample of `plugin`'s tool as the wire message (unavailable figures: -1)."""
+    names = {d.device_id: plugin.config.device_name(d) for d in plugin.decls}
+    reading = agent_pb2.ToolReading(
+        device_type=plugin.device_type,
+        command=list(sample.command),
+        raw_output=sample.raw_output[:MAX_RAW_OUTPUT],
+        error=str(sample.error) if sample.error is not None else "",
+        sampled_at_unix_ms=sample.sampled_at_ms,
+        duration_s=sample.duration_s,
+    )
+    for o in sample.observed:
+        reading.devices.add(
+            name=names.get(o.index, ""),
+            index=o.index,
+            model=o.model,
+            memory_total_mb=-1 if o.memory_total_mb is None else o.memory_total_mb,
+            memory_used_mb=-1 if o.memory_used_mb is None else o.memory_used_mb,
+            utilization_pct=-1.0 if o.utilization_pct is None else o.utilization_pct,
+            health=o.health,
+        )
+    return reading
+
 
 class NodeServiceServer:
     """The NodeService gRPC server of one agent."""
 
-    def __init__(self, material: tls.TlsMaterial, servicer: NodeServiceServicer) -> None:
-        self.material = material
+    def __init__(self, material: tls.TlsMaterial | LiveTls, servicer: NodeServiceServicer) -> None:
+        self.live = material if isinstance(material, LiveTls) else LiveTls(material)
+        """The agent's certificate; a reload (SIGHUP) reaches new connections."""
         self.servicer = servicer
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -157,7 +217,7 @@ class NodeServiceServer:
         server = grpc.aio.server()
         agent_pb2_grpc.add_NodeServiceServicer_to_server(self.servicer, server)
         try:
-            port = server.add_secure_port(listen, tls.server_credentials(self.material, clients="replica"))
+            port = server.add_secure_port(listen, self.live.server_credentials(clients="replica"))
         except RuntimeError as e:
             raise ConfigError(f"node service: cannot listen on {listen} ({e}); is the port in use?") from None
         if not port:

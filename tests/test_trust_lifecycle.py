@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,9 +34,11 @@ from kunlun_common.api import (
     workload_pb2_grpc,
 )
 from kunlun_common.pki import ClusterCerts, certificate_serial, init_cluster_certs, issue, paths_for
-from kunlun_common.tls import channel_credentials, load_tls
+from kunlun_common.tls import channel_credentials, load_tls, server_certificate
 from tests.conftest import FAST_TMP, start_cluster
 from tests.prom_helpers import scrape, tls_context
+from tests.sched_helpers import get, submit
+from tests.test_cluster_serving import chat, running
 
 CLI = [sys.executable, "-m", "controlplane.cli.main"]
 SHORT_LIVED = "node-b"
@@ -243,7 +246,10 @@ def test_revoked_certificates_are_refused_by_replicas_agents_gateways_and_etcd(
 
     full_9 = f"{certificate_serial(paths_for(c.cert_dir, 'replica', 'replica-9').cert):x}"
     prom_serial = f"{certificate_serial(paths_for(c.cert_dir, 'monitoring', 'prom-2').cert):x}"
-    for target in ("viewer/revokee", "node-z", "etcd-client/kunlun-admin"):
+    # by name without the folder: found among the certificates the replicas saw in use
+    r = cli(admin, "certs", "revoke", "viewer/revokee", "--reason", "test")
+    assert r.returncode == 0 and "revoked viewer/revokee" in r.stdout, r.stderr
+    for target in ("node-z", "etcd-client/kunlun-admin"):  # by name from the folder, which rewrites the CRL
         r = cli(admin, "certs", "revoke", target, "--dir", str(c.cert_dir), "--reason", "test")
         assert r.returncode == 0, r.stderr
         assert "revoked" in r.stdout and "crl/etcd.crl" in r.stdout
@@ -292,6 +298,125 @@ def test_revoked_certificates_are_refused_by_replicas_agents_gateways_and_etcd(
     assert {"viewer/revokee", "agent/node-z", "etcd-client/kunlun-admin", full_9.lstrip("0")} <= objects
     for ch in (viewer_ch, agent_ch, replica_ch):
         ch.close()
+
+
+def _serial_at(c: LocalCluster, address: str, ca: str, role: str, name: str) -> str:
+    p = paths_for(c.cert_dir, role, name)
+    roots = (c.cert_dir / ca).read_bytes()
+    return f"{server_certificate(address, roots, p.cert, p.key).serial_number:x}"
+
+
+def _file_serial(c: LocalCluster, role: str, name: str) -> str:
+    return f"{certificate_serial(paths_for(c.cert_dir, role, name).cert):x}"
+
+
+def test_rotate_and_sighup_new_connections_get_new_serials_while_serving_continues(
+    lc_cluster: LocalCluster,
+) -> None:
+    """Runs after the revocation test: rotating skips the revoked certificates."""
+    c = lc_cluster
+    admin = _config(c, "operator", "admin")
+    submit(c, name="chat", model="m", replicas=1)
+    wait_for(lambda: running(c, "chat", 1), 90, "chat Running")
+    gateway = c.gateway_addrs["gateway-1"]
+    wait_for(lambda: chat(gateway) == 200, 30, "the gateway routes to chat")
+    instance = get(c, "chat").instances[0].id
+    pids = {n: p.pid for n, p in c.agents.items()}
+    nodes = c.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+    assert isinstance(nodes, cluster_pb2.ListNodesResponse)
+    node_a = next(n.node_service for n in nodes.nodes if n.name == "node-a")
+    # (what is probed, how): the serial a new TLS connection is shown
+    probes: dict[str, tuple[str, str, str, str, str]] = {
+        "replica-1 gRPC": (
+            c.replica_addrs["replica-1"],
+            "replica-ca.crt",
+            "operator",
+            "admin",
+            "replica/replica-1",
+        ),
+        "node-a NodeService": (node_a, "ca.crt", "replica", "replica-2", "agent/node-a"),
+        "replica-1 metrics": (
+            c.metrics_addrs["replica-1"],
+            "replica-ca.crt",
+            "monitoring",
+            "prometheus",
+            "replica/replica-1",
+        ),
+        "node-a metrics": (
+            c.metrics_addrs["agent-node-a"],
+            "ca.crt",
+            "monitoring",
+            "prometheus",
+            "agent/node-a",
+        ),
+        "gateway-1 metrics": (
+            c.metrics_addrs["gateway-1"],
+            "ca.crt",
+            "monitoring",
+            "prometheus",
+            "gateway/gateway-1",
+        ),
+        "etcd-1 client port": (
+            c.etcd.members[0].endpoint.removeprefix("https://"),
+            "etcd-ca.crt",
+            "etcd-client",
+            "kunlun",
+            "etcd/etcd-1",
+        ),
+    }
+
+    def shown() -> dict[str, str]:
+        return {k: _serial_at(c, a, ca, r, n) for k, (a, ca, r, n, _) in probes.items()}
+
+    before = shown()
+    assert before == {k: _file_serial(c, *v[4].split("/")) for k, v in probes.items()}
+
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:  # a client of the workload all along (bounded: at most 600 requests)
+        for _ in range(600):
+            if stop.is_set():
+                return
+            codes.append(chat(gateway))
+            time.sleep(0.1)
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        r = cli(admin, "certs", "rotate", str(c.cert_dir), "-o", "json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert "viewer/revokee" in out["skipped_revoked"] and "agent/node-z" in out["skipped_revoked"]
+        renewed = {f"{i['role']}/{i['name']}" for i in out["items"]}
+        assert {v[4] for v in probes.values()} <= renewed and "viewer/revokee" not in renewed
+        assert shown() == before, "nothing changes before the components reload"
+        c.reload_certs()
+        want = {k: _file_serial(c, *v[4].split("/")) for k, v in probes.items()}
+        assert not set(want.values()) & set(before.values())
+        wait_for(lambda: shown() == want, 30, "new connections shown the new certificates")
+
+        def agent_serial() -> str:
+            resp = security_pb2_grpc.SecurityServiceStub(
+                _channel(c, "operator", "admin", c.replica_addrs["replica-1"])
+            ).ListCertificates(security_pb2.ListCertificatesRequest(), timeout=10)
+            return next((x.serial for x in resp.certificates if (x.role, x.name) == ("agent", "node-a")), "")
+
+        # the agent's next connection to a replica presents its new certificate too
+        wait_for(
+            lambda: agent_serial() == _file_serial(c, "agent", "node-a"),
+            30,
+            "the agent's new client certificate",
+        )
+        time.sleep(1.0)  # a few more requests after everything reloaded
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert codes and set(codes) == {200}, f"{len(codes)} requests: {sorted(set(codes))}"
+    assert get(c, "chat").instances[0].id == instance and running(c, "chat", 1)
+    assert {n: p.pid for n, p in c.agents.items()} == pids
+    assert c.node_ready("node-a") and c.node_ready("node-b")
+    print(f"\nrotation: {len(codes)} requests during it, all 200; {len(renewed)} certificates renewed")
 
 
 def test_audit_retention_keeps_the_newest_records_within_both_bounds(lc_cluster: LocalCluster) -> None:

@@ -22,6 +22,7 @@ import grpc
 from aetcd import rpc as etcd_rpc
 
 from devcluster.cluster import LocalCluster
+from devcluster.procs import wait_for
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
 from kunlun_common.pki import (
     ETCD_CLIENT,
@@ -167,6 +168,7 @@ ALL = (
     "etcd peer",
     "foreign CA",
     "expired",
+    "revoked",
     "wrong host name",
 )
 LISTENER_KINDS: dict[str, ListenerKind] = {
@@ -194,6 +196,13 @@ def cert_kinds(cert_dir: Path, tmp: Path) -> dict[str, dict[str, Cred]]:
     old = {"not_before": past, "not_after": past + dt.timedelta(days=1), "overwrite": True}
     exp_main = issue(copy, "operator", "expired", **old)  # type: ignore[arg-type]
     exp_etcd = issue(copy, ETCD_CLIENT, ETCD_USER, **old)  # type: ignore[arg-type]
+    # a replica certificate and an etcd client certificate (CN kunlun) from the real CAs, revoked
+    # (see revoke_for_matrix): the most powerful certificates, refused once on the list
+    revoked = tmp / "revoked"
+    shutil.copytree(cert_dir, revoked)
+    shutil.copytree(ca_key_dir(cert_dir), ca_key_dir(revoked))
+    rev_main = issue(revoked, "replica", "replica-1", overwrite=True)
+    rev_etcd = issue(revoked, ETCD_CLIENT, ETCD_USER, overwrite=True)
 
     def c(p: CertPaths, name: str = "") -> Cred:
         return Cred(p.cert, p.key, name)
@@ -211,11 +220,41 @@ def cert_kinds(cert_dir: Path, tmp: Path) -> dict[str, dict[str, Cred]]:
         "etcd peer": both(paths_for(cert_dir, "etcd", "etcd-1")),
         "foreign CA": both(paths_for(foreign, "operator", "admin"), etcd_client_paths(foreign)),
         "expired": both(exp_main, exp_etcd),
+        "revoked": both(rev_main, rev_etcd),
         # the genuine certificates, but the client expects a name the server does not carry
         "wrong host name": both(
             paths_for(cert_dir, "replica", "replica-1"), etcd_client_paths(cert_dir), WRONG_NAME
         ),
     }
+
+
+def revoke_for_matrix(cluster: LocalCluster, kinds: dict[str, dict[str, Cred]]) -> None:
+    """Revoke the "revoked" kind's certificates as an operator would (`certs revoke --dir`): the
+    revocation list in etcd, and etcd's CRL; wait until the agents enforce it too."""
+    from cryptography import x509
+
+    from kunlun_common.api import security_pb2, security_pb2_grpc
+    from kunlun_common.pki import write_crl
+    from kunlun_common.tls import channel_credentials, load_tls
+
+    serials = [
+        x509.load_pem_x509_certificate(c.cert.read_bytes()).serial_number for c in kinds["revoked"].values()
+    ]
+    creds = channel_credentials(load_tls(paths_for(cluster.cert_dir, "operator", "admin")))
+    with grpc.secure_channel(next(iter(cluster.replica_addrs.values())), creds) as ch:
+        stub = security_pb2_grpc.SecurityServiceStub(ch)
+        for s in serials:
+            stub.RevokeCertificate(
+                security_pb2.RevokeCertificateRequest(serial=f"{s:x}", name="matrix"), timeout=10
+            )
+        listed = stub.ListRevocations(security_pb2.ListRevocationsRequest(), timeout=10).revocations
+    write_crl(cluster.cert_dir, (int(r.serial, 16) for r in listed))
+    cluster.distribute_crl()
+    agent = next(ls for ls in listeners(cluster) if ls.kind == "agent NodeService")
+    ca = cluster.cert_dir / "ca.crt"
+    wait_for(
+        lambda: probe_node_service(agent, ca, kinds["revoked"]["main"]) != "IN", 30, "agents to learn it"
+    )
 
 
 def listeners(cluster: LocalCluster) -> list[Listener]:
@@ -265,6 +304,7 @@ def test_every_listening_port_is_in_the_table(cluster: LocalCluster) -> None:
 def test_security_matrix(cluster: LocalCluster, tmp_path: Path) -> None:
     kinds = cert_kinds(cluster.cert_dir, tmp_path)
     assert set(kinds) == set(ALL)
+    revoke_for_matrix(cluster, kinds)
     cas = {
         "replica": cluster.cert_dir / "replica-ca.crt",
         "cluster": cluster.cert_dir / "ca.crt",
@@ -299,8 +339,9 @@ def test_security_matrix(cluster: LocalCluster, tmp_path: Path) -> None:
         lines.append(f"{ls.kind + ' ' + ls.name:<{width}} | " + " | ".join(row))
     table = "\n".join(lines)
     print(
-        "\nsecurity matrix (IN: let in; tls: refused in the TLS handshake; rbac: refused by etcd's RBAC;"
-        " http-403: refused by role; open: plain HTTP on loopback, no certificate asked)\n" + table
+        "\nsecurity matrix (IN: let in; tls: refused in the TLS handshake (for etcd and a revoked"
+        " certificate: by its CRL); rbac: refused by etcd's RBAC; http-403: refused by role or revoked;"
+        " unauthent: UNAUTHENTICATED, revoked; open: plain HTTP on loopback, no certificate asked)\n" + table
     )
     (Path(__file__).parent.parent / ".security-matrix.txt").write_text(table + "\n")
     assert not wrong, "\n".join(wrong)

@@ -29,7 +29,9 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     # served by node agents, not replicas (node_agent/node_service.py enforces the same rule)
     "/kunlun.v1.NodeService/Logs": ("replica",),
     "/kunlun.v1.NodeService/Engines": ("replica",),
+    "/kunlun.v1.NodeService/ToolReading": ("replica",),
     "/kunlun.v1.LedgerService/NodeEngines": READERS,
+    "/kunlun.v1.LedgerService/NodeToolReading": READERS,
     "/kunlun.v1.WorkloadService/SubmitWorkload": WRITERS,
     "/kunlun.v1.WorkloadService/ListWorkloads": READERS,
     "/kunlun.v1.WorkloadService/GetWorkload": READERS,

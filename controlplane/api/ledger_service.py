@@ -1,10 +1,14 @@
-"""LedgerService: a node's engine ledger, read through its agent's NodeService (for operators).
+"""LedgerService: a node's engine ledger and its vendor tools' own reading, read through its agent's
+NodeService (for operators).
 
 The ledger is node-local (`<agent state dir>/ledger/engines.jsonl`); this replica dials the node's
 advertised NodeService with its replica certificate and returns what the agent read.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -18,6 +22,8 @@ from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
 MAX_TAIL = 100_000
 CALL_TIMEOUT_S = 10.0
+TOOL_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
@@ -37,21 +43,41 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
             )
         if not 0 <= request.tail <= MAX_TAIL:
             raise InvalidInput(f"tail: expected 0..{MAX_TAIL}, found {request.tail}")
-        address = self.feeds.node_service(request.node)
+        resp: agent_pb2.EnginesResponse = await self._call(
+            request.node, context, lambda stub: stub.Engines(request, timeout=CALL_TIMEOUT_S)
+        )
+        return resp
+
+    @rpc
+    async def NodeToolReading(
+        self, request: agent_pb2.ToolReadingRequest, context: Ctx, who: Identity
+    ) -> agent_pb2.ToolReadingResponse:
+        if not valid_node_name(request.node):
+            raise InvalidInput(
+                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')"
+            )
+        resp: agent_pb2.ToolReadingResponse = await self._call(
+            request.node, context, lambda stub: stub.ToolReading(request, timeout=TOOL_TIMEOUT_S)
+        )
+        return resp
+
+    async def _call(
+        self, node: str, context: Ctx, fn: Callable[[agent_pb2_grpc.NodeServiceAsyncStub], Awaitable[T]]
+    ) -> T:
+        """Call the node's NodeService with this replica's certificate, checking the node's name."""
+        address = self.feeds.node_service(node)
         if not address:
             raise NotFoundError(
-                f"node {request.node} is unknown or does not serve its ledger (agent not registered)"
+                f"node {node} is unknown or does not serve its NodeService (agent not registered)"
             )
         async with grpc.aio.secure_channel(
             address,
             channel_credentials(self.tls, server_role="agent"),
-            options=[("grpc.ssl_target_name_override", request.node)],
+            options=[("grpc.ssl_target_name_override", node)],
         ) as ch:
             try:
-                resp: agent_pb2.EnginesResponse = await agent_pb2_grpc.NodeServiceStub(ch).Engines(
-                    request, timeout=CALL_TIMEOUT_S
-                )
+                stub = agent_pb2_grpc.NodeServiceStub(ch)
+                return await fn(stub)
             except grpc.aio.AioRpcError as e:
                 retry = " (retry once the agent is back)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
-                await abort(context, e.code(), f"node {request.node}: {e.details()}{retry}")
-        return resp
+                await abort(context, e.code(), f"node {node}: {e.details()}{retry}")

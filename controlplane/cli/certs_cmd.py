@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from controlplane.cli.client import Client
-from controlplane.cli.output import print_json
+from controlplane.cli.client import Client, CliError
+from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import security_pb2, security_pb2_grpc
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import (
+    DEFAULT_DAYS,
     ROLES,
     ClusterCerts,
     certificate_serial,
+    certificates,
     find_certificate,
     init_cluster_certs,
     issue,
+    renew,
     write_crl,
 )
 
@@ -51,6 +55,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--name", required=True)
     s.add_argument("--hosts", help="SANs (addresses, host names)")
     s.set_defaults(handler=certs_issue)
+    o = csub.add_parser(
+        "rotate",
+        help="renew certificates in DIR (new keys and serials, same names); then reload each component (SIGHUP)",
+        parents=[common],
+    )
+    o.add_argument("dir")
+    o.add_argument(
+        "--name", action="append", default=[], help="only this certificate (ROLE/NAME or NAME; repeat)"
+    )
+    o.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"lifetime (default {DEFAULT_DAYS})")
+    o.set_defaults(handler=certs_rotate)
     r = csub.add_parser(
         "revoke",
         help="revoke a certificate: replicas refuse it at once, agents and gateways within seconds",
@@ -165,4 +180,64 @@ def certs_revoke(args: argparse.Namespace) -> int:
             f"wrote {crl}: copy it to every etcd member's --client-crl-file (etcd reads it on each new "
             "connection; no restart)"
         )
+    return 0
+
+
+def _revoked_serials(args: argparse.Namespace) -> set[int] | None:
+    """The cluster's revoked serials, or None when no replica can be asked."""
+    from controlplane.cli.main import make_client
+
+    try:
+        client = make_client(args)
+        revs = client.call_stub(
+            security_pb2_grpc.SecurityServiceStub,
+            lambda s: s.ListRevocations,
+            security_pb2.ListRevocationsRequest(),
+        ).revocations
+    except (CliError, ConfigError) as e:
+        print(
+            f"kunlun-cli: note: revocation list not read ({e}); revoked certificates in DIR are renewed too",
+            file=sys.stderr,
+        )
+        return None
+    return {int(r.serial, 16) for r in revs}
+
+
+def certs_rotate(args: argparse.Namespace) -> int:
+    chosen = [find_certificate(args.dir, n) for n in args.name]
+    todo = [(p.parent.name, p.stem) for p in chosen] if chosen else certificates(args.dir)
+    if not todo:
+        raise ConfigError(
+            f"no certificates in {args.dir}; create them with `kunlun-cli certs init {args.dir}`"
+        )
+    revoked = _revoked_serials(args) or set()
+    done, skipped = [], []
+    for role, name in todo:
+        if certificate_serial(find_certificate(args.dir, f"{role}/{name}")) in revoked:
+            skipped.append(f"{role}/{name}")  # a revoked holder gets no fresh certificate
+            continue
+        done.append(renew(args.dir, role, name, days=args.days))
+    items = [
+        {
+            "role": r.role,
+            "name": r.name,
+            "old_serial": f"{r.old_serial:x}",
+            "new_serial": f"{r.new_serial:x}",
+            "not_after": r.not_after.isoformat(),
+        }
+        for r in done
+    ]
+    if args.output == "json":
+        print_json({"items": items, "skipped_revoked": skipped})
+        return 0
+    print_table(
+        ["ROLE", "NAME", "NEW SERIAL", "NOT AFTER"],
+        [[i["role"], i["name"], i["new_serial"], i["not_after"][:16]] for i in items],
+    )
+    for name in skipped:
+        print(f"skipped {name}: revoked (issue a new identity instead)")
+    print(
+        "copy each component's new files to its host, then reload it: `kill -HUP PID` or `systemctl reload "
+        "kunlun-...` (replicas, agents, gateways re-read their certificate; etcd does on each connection)"
+    )
     return 0

@@ -28,6 +28,7 @@ from controlplane.cli import (
 )
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
+from controlplane.cli.verify import command as verify_cmd
 from kunlun_common.errors import ConfigError, KunlunError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_cmd.register(sub, common)
     declaration_cmd.register(sub, common)
     node_engines_cmd.register(sub, common)
+    verify_cmd.register(sub, common)
     return p
 
 

@@ -13,7 +13,9 @@ its strict reconfiguration check), add the new one by its peer URL, then start i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import grpc
@@ -21,7 +23,38 @@ from aetcd import rpc
 
 from controlplane.store.admin import admin_channel
 from controlplane.store.backup import AdminTarget, first_answering
-from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.errors import InvalidInput, NotFoundError, TemporaryError
+from kunlun_common.retry import retry_until
+
+T = TypeVar("T")
+
+CHANGE_RETRY_S = 20.0
+"""How long a membership change refused as `unhealthy cluster` is retried (etcd's strict
+reconfiguration check wants every member connected for 5 s, e.g. just after a start)."""
+
+
+class ClusterNotReady(TemporaryError):
+    """etcd refused a membership change because the change could cost quorum right now."""
+
+
+async def _change(target: AdminTarget, what: str, fn: Callable[[rpc.ClusterStub], Awaitable[T]]) -> T:
+    """A membership change on the first member that answers, retried while etcd calls the cluster
+    unhealthy (until CHANGE_RETRY_S)."""
+
+    async def once(ep: str, ch: grpc.aio.Channel) -> T:
+        try:
+            return await fn(rpc.ClusterStub(ch))
+        except grpc.aio.AioRpcError as e:
+            detail = e.details() or ""
+            if "unhealthy cluster" in detail or "not enough started members" in detail:
+                raise ClusterNotReady(
+                    f"etcd refused {what}: {detail} (etcd changes members only while every member has been "
+                    "connected for 5 s and the change keeps quorum); wait until `kunlun-cli cluster etcd member "
+                    "list` shows every member healthy, then run it again"
+                ) from None
+            raise
+
+    return await retry_until(lambda: first_answering(target, what, once), CHANGE_RETRY_S, base=0.5)
 
 
 @dataclass(frozen=True)
@@ -114,15 +147,13 @@ async def add_member(
             f"name: a member named {name!r} exists already; remove it first or pick another name"
         )
 
-    async def add(ep: str, ch: grpc.aio.Channel) -> tuple[Member, list[Member]]:
-        resp = await rpc.ClusterStub(ch).MemberAdd(
-            rpc.MemberAddRequest(peerURLs=list(urls)), timeout=target.timeout_s
-        )
+    async def add(stub: rpc.ClusterStub) -> tuple[Member, list[Member]]:
+        resp = await stub.MemberAdd(rpc.MemberAddRequest(peerURLs=list(urls)), timeout=target.timeout_s)
         new = _member(resp.member)
         new = Member(new.id, name, new.peer_urls, new.client_urls, new.learner)
         return new, [new if int(m.ID) == new.id else _member(m) for m in resp.members]
 
-    return await first_answering(target, "the member add", add)
+    return await _change(target, "the member add", add)
 
 
 async def remove_member(target: AdminTarget, which: str) -> tuple[Member, list[Member]]:
@@ -138,10 +169,8 @@ async def remove_member(target: AdminTarget, which: str) -> tuple[Member, list[M
         raise InvalidInput("the cluster has one member; removing it would destroy the cluster")
     gone = found[0]
 
-    async def remove(ep: str, ch: grpc.aio.Channel) -> list[Member]:
-        resp = await rpc.ClusterStub(ch).MemberRemove(
-            rpc.MemberRemoveRequest(ID=gone.id), timeout=target.timeout_s
-        )
+    async def remove(stub: rpc.ClusterStub) -> list[Member]:
+        resp = await stub.MemberRemove(rpc.MemberRemoveRequest(ID=gone.id), timeout=target.timeout_s)
         return [_member(m) for m in resp.members]
 
     # ask a member other than the one removed, so the answer comes from one that stays
@@ -149,4 +178,4 @@ async def remove_member(target: AdminTarget, which: str) -> tuple[Member, list[M
         ep for ep in target.endpoints if not any(ep.rstrip("/") == u.rstrip("/") for u in gone.client_urls)
     )
     t = AdminTarget(others or target.endpoints, target.cert_dir, target.timeout_s)
-    return gone, await first_answering(t, "the member remove", remove)
+    return gone, await _change(t, "the member remove", remove)

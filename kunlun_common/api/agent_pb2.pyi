@@ -555,3 +555,127 @@ class EnginesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EnginesResponse: _TypeAlias = EnginesResponse  # noqa: Y015
+
+@_typing.final
+class ToolReadingRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """The node whose vendor tools to run (checked by the agent against its own name)."""
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolReadingRequest: _TypeAlias = ToolReadingRequest  # noqa: Y015
+
+@_typing.final
+class ToolDevice(_message.Message):
+    """One device as the vendor tool printed it just now (values the tool prints as unavailable: -1)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_MB_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_MB_FIELD_NUMBER: _builtins.int
+    UTILIZATION_PCT_FIELD_NUMBER: _builtins.int
+    HEALTH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`<node>/<type>:<index>` when the index is declared on the node, else empty."""
+    index: _builtins.int
+    model: _builtins.str
+    memory_total_mb: _builtins.int
+    memory_used_mb: _builtins.int
+    utilization_pct: _builtins.float
+    health: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        index: _builtins.int = ...,
+        model: _builtins.str = ...,
+        memory_total_mb: _builtins.int = ...,
+        memory_used_mb: _builtins.int = ...,
+        utilization_pct: _builtins.float = ...,
+        health: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["health", b"health", "index", b"index", "memory_total_mb", b"memory_total_mb", "memory_used_mb", b"memory_used_mb", "model", b"model", "name", b"name", "utilization_pct", b"utilization_pct"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolDevice: _TypeAlias = ToolDevice  # noqa: Y015
+
+@_typing.final
+class ToolReading(_message.Message):
+    """One run of one vendor's tool on the node (npu-smi, cnmon, nvidia-smi, ...)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_TYPE_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    RAW_OUTPUT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SAMPLED_AT_UNIX_MS_FIELD_NUMBER: _builtins.int
+    DURATION_S_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    device_type: _builtins.str
+    raw_output: _builtins.str
+    """What it printed (cut to MAX_RAW_OUTPUT characters), or why it could not run."""
+    error: _builtins.str
+    sampled_at_unix_ms: _builtins.int
+    duration_s: _builtins.float
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The command line that ran."""
+
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDevice]: ...
+    def __init__(
+        self,
+        *,
+        device_type: _builtins.str = ...,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        raw_output: _builtins.str = ...,
+        error: _builtins.str = ...,
+        sampled_at_unix_ms: _builtins.int = ...,
+        duration_s: _builtins.float = ...,
+        devices: _abc.Iterable[Global___ToolDevice] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "device_type", b"device_type", "devices", b"devices", "duration_s", b"duration_s", "error", b"error", "raw_output", b"raw_output", "sampled_at_unix_ms", b"sampled_at_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolReading: _TypeAlias = ToolReading  # noqa: Y015
+
+@_typing.final
+class ToolReadingResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READINGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def readings(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolReading]: ...
+    def __init__(
+        self,
+        *,
+        readings: _abc.Iterable[Global___ToolReading] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["readings", b"readings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolReadingResponse: _TypeAlias = ToolReadingResponse  # noqa: Y015

@@ -45,6 +45,11 @@ class NodeServiceStub:
                 request_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
                 response_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
                 _registered_method=True)
+        self.ToolReading = channel.unary_unary(
+                '/kunlun.v1.NodeService/ToolReading',
+                request_serializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -64,6 +69,13 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ToolReading(self, request, context):
+        """Run every vendor tool of the node now and return what each printed (`kunlun-cli verify`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Engines,
                     request_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.FromString,
                     response_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.SerializeToString,
+            ),
+            'ToolReading': grpc.unary_unary_rpc_method_handler(
+                    servicer.ToolReading,
+                    request_deserializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,6 +160,33 @@ class NodeService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ToolReading(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.NodeService/ToolReading',
+            kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.SerializeToString,
+            kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class LedgerServiceStub:
     """Served by replicas for operators: a node's engine ledger, read through its agent.
@@ -159,6 +203,11 @@ class LedgerServiceStub:
                 request_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
                 response_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
                 _registered_method=True)
+        self.NodeToolReading = channel.unary_unary(
+                '/kunlun.v1.LedgerService/NodeToolReading',
+                request_serializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.FromString,
+                _registered_method=True)
 
 
 class LedgerServiceServicer:
@@ -171,6 +220,13 @@ class LedgerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NodeToolReading(self, request, context):
+        """The vendor tools' own reading on a node, taken through its agent (`kunlun-cli verify`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +234,11 @@ def add_LedgerServiceServicer_to_server(servicer, server):
                     servicer.NodeEngines,
                     request_deserializer=kunlun_dot_v1_dot_agent__pb2.EnginesRequest.FromString,
                     response_serializer=kunlun_dot_v1_dot_agent__pb2.EnginesResponse.SerializeToString,
+            ),
+            'NodeToolReading': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeToolReading,
+                    request_deserializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -208,6 +269,33 @@ class LedgerService:
             '/kunlun.v1.LedgerService/NodeEngines',
             kunlun_dot_v1_dot_agent__pb2.EnginesRequest.SerializeToString,
             kunlun_dot_v1_dot_agent__pb2.EnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeToolReading(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.LedgerService/NodeToolReading',
+            kunlun_dot_v1_dot_agent__pb2.ToolReadingRequest.SerializeToString,
+            kunlun_dot_v1_dot_agent__pb2.ToolReadingResponse.FromString,
             options,
             channel_credentials,
             insecure,

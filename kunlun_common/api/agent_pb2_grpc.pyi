@@ -36,6 +36,8 @@ class NodeServiceStub:
     Logs: _grpc.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]
     Engines: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]
     """The node's engine ledger."""
+    ToolReading: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ToolReadingRequest, _agent_pb2.ToolReadingResponse]
+    """Run every vendor tool of the node now and return what each printed (`kunlun-cli verify`)."""
 
 @_typing.type_check_only
 class NodeServiceAsyncStub(NodeServiceStub):
@@ -45,6 +47,8 @@ class NodeServiceAsyncStub(NodeServiceStub):
     Logs: _aio.UnaryStreamMultiCallable[_agent_pb2.LogsRequest, _agent_pb2.LogChunk]  # type: ignore[assignment]
     Engines: _aio.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]  # type: ignore[assignment]
     """The node's engine ledger."""
+    ToolReading: _aio.UnaryUnaryMultiCallable[_agent_pb2.ToolReadingRequest, _agent_pb2.ToolReadingResponse]  # type: ignore[assignment]
+    """Run every vendor tool of the node now and return what each printed (`kunlun-cli verify`)."""
 
 class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Served by each node agent (mTLS; callers: replicas) for what must come from the node itself."""
@@ -64,6 +68,14 @@ class NodeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_agent_pb2.EnginesResponse, _abc.Awaitable[_agent_pb2.EnginesResponse]]:
         """The node's engine ledger."""
 
+    @_abc_1.abstractmethod
+    def ToolReading(
+        self,
+        request: _agent_pb2.ToolReadingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ToolReadingResponse, _abc.Awaitable[_agent_pb2.ToolReadingResponse]]:
+        """Run every vendor tool of the node now and return what each printed (`kunlun-cli verify`)."""
+
 def add_NodeServiceServicer_to_server(servicer: NodeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class LedgerServiceStub:
@@ -74,6 +86,8 @@ class LedgerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> LedgerServiceAsyncStub: ...
     NodeEngines: _grpc.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]
+    NodeToolReading: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ToolReadingRequest, _agent_pb2.ToolReadingResponse]
+    """The vendor tools' own reading on a node, taken through its agent (`kunlun-cli verify`)."""
 
 @_typing.type_check_only
 class LedgerServiceAsyncStub(LedgerServiceStub):
@@ -81,6 +95,8 @@ class LedgerServiceAsyncStub(LedgerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     NodeEngines: _aio.UnaryUnaryMultiCallable[_agent_pb2.EnginesRequest, _agent_pb2.EnginesResponse]  # type: ignore[assignment]
+    NodeToolReading: _aio.UnaryUnaryMultiCallable[_agent_pb2.ToolReadingRequest, _agent_pb2.ToolReadingResponse]  # type: ignore[assignment]
+    """The vendor tools' own reading on a node, taken through its agent (`kunlun-cli verify`)."""
 
 class LedgerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Served by replicas for operators: a node's engine ledger, read through its agent."""
@@ -91,6 +107,14 @@ class LedgerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_pb2.EnginesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.EnginesResponse, _abc.Awaitable[_agent_pb2.EnginesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def NodeToolReading(
+        self,
+        request: _agent_pb2.ToolReadingRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ToolReadingResponse, _abc.Awaitable[_agent_pb2.ToolReadingResponse]]:
+        """The vendor tools' own reading on a node, taken through its agent (`kunlun-cli verify`)."""
 
 def add_LedgerServiceServicer_to_server(servicer: LedgerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -41,6 +41,9 @@ scheduler or gateway):
 | disable_cuda_graph   | --disable-cuda-graph     | bool  |
 | enable_torch_compile | --enable-torch-compile   | bool  |
 
+`engine="test"` runs the built-in test engine (`node_agent.testengine`: no weights, no accelerator
+code; what `kunlun-cli verify` deploys) with the workload's engine_args appended.
+
 Other engines (`engine="template"`) use `command_template`, split like a shell would (no shell
 runs) with the placeholders `{model} {name} {host} {port} {tp_size} {dtype} {quantization}
 {device_type} {device_model} {visible_devices} {cache_dir} {python}` filled per token; a token
@@ -94,6 +97,8 @@ SGLANG_QUANTIZATIONS = frozenset(
         "w8a8_int8",
     }
 )
+TEST_ENGINE_MODULE = "node_agent.testengine"
+"""The built-in test engine, run by `engine="test"`."""
 SGLANG_DTYPES = frozenset({"auto", "half", "float16", "bfloat16", "float", "float32"})
 
 
@@ -158,7 +163,7 @@ class EngineRequest:
     model: str
     """Model path or hub id."""
     engine: str
-    """"sglang" or "template"."""
+    """"sglang", "template" or "test"."""
     command_template: str | None
     """Command line with placeholders, for engine="template"."""
     quantization: str | None
@@ -447,7 +452,20 @@ def build_launch_plan(req: EngineRequest, settings: LaunchSettings) -> LaunchPla
             "python": settings.python,
         }
         argv = _template_argv(req, values)
+    elif req.engine == "test":  # the built-in test engine (`kunlun-cli verify`); prepare.py runs it
+        argv = [
+            settings.python,
+            "-m",
+            TEST_ENGINE_MODULE,
+            "--host",
+            req.host,
+            "--port",
+            str(req.port),
+            "--served-model-name",
+            req.workload_name,
+            *req.extra_args,
+        ]
     else:
-        raise ConfigError(f"engine {req.engine!r} is not supported; use 'sglang' or 'template'")
+        raise ConfigError(f"engine {req.engine!r} is not supported; use 'sglang', 'template' or 'test'")
     env = {**req.envs, **_cache_env(req, runtime, cache_dir)}
     return LaunchPlan(tuple(argv), env, tuple(dict.fromkeys(req.device_nodes)), cache_dir)

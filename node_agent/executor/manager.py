@@ -42,6 +42,7 @@ from kunlun_common.names import parse_device_name
 from kunlun_common.states import SERVING, InstancePhase
 from node_agent.executor.instance import InstanceWorker, read_saved
 from node_agent.executor.prepare import NodeContext
+from node_agent.executor.simload import LOAD_POLL_S, EngineLoad
 from node_agent.executor.supervisor_api import SupervisorHandle, adopt, alive, reap, stop
 from node_agent.simulation import ChipUsage
 
@@ -61,6 +62,12 @@ def fingerprint(a: agent_pb2.Assignment) -> str:
         h.update(part.encode() + b"\0")
     h.update(spec.SerializeToString(deterministic=True))
     return h.hexdigest()[:20]
+
+
+def available(a: agent_pb2.Assignment) -> bool:
+    """Whether the instance's workload chose `fencing: available`: its engine keeps serving while
+    the agent has no contact with any replica (no self-fence, no stop on disconnect)."""
+    return a.spec.fencing == "available"
 
 
 @dataclass
@@ -105,6 +112,7 @@ class ExecutorManager:
         self._wake = asyncio.Event()
         self._chips_dirty = asyncio.Event()
         self._chips_written: dict[tuple[str, int], tuple[int, float]] = {}
+        self._load = EngineLoad()
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------------------------ inputs
@@ -174,6 +182,7 @@ class ExecutorManager:
             ("reconcile", self._reconcile_loop()),
             ("disconnect-watchdog", self._watchdog()),
             ("sim-chips", self._chips_loop()),
+            ("sim-load", self._load_loop()),
         ):
             self._tasks.append(asyncio.create_task(coro, name=name))
         self._chips_dirty.set()
@@ -255,7 +264,8 @@ class ExecutorManager:
     def _start_worker(
         self, a: agent_pb2.Assignment, handle: SupervisorHandle | None, saved: dict[str, Any] | None
     ) -> None:
-        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, self.fence_deadline_s)
+        fence_s = 0.0 if available(a) else self.fence_deadline_s  # `fencing: available`: no self-fence
+        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, fence_s)
         self.workers[a.instance_id] = w
         w.start()
         assert w.task is not None
@@ -310,20 +320,29 @@ class ExecutorManager:
 
     def _suspend(self, since: float) -> None:
         limit = self.ctx.settings.disconnect_stop_s
-        engines = sum(1 for w in self.workers.values() if w.engine_live)
+        strict = [w for w in self.workers.values() if not available(w.assignment)]
+        kept = sum(1 for w in self.workers.values() if available(w.assignment) and w.engine_live)
+        engines = sum(1 for w in strict if w.engine_live)
         engines += sum(1 for o in self.orphans.values() if o.handle is not None and alive(o.handle))
         self.suspended, self.received = True, False
         why = f"no replica reachable for {since:.0f}s (disconnect_stop_s={limit:g})"
-        for w in self.workers.values():
+        for w in strict:
             w.request_stop(f"stopped: {why}")
         for iid, orphan in list(self.orphans.items()):
             if iid not in self.retiring:
                 del self.orphans[iid]
                 self._retire(iid, self._stop_orphan(iid, orphan, why), remove_dir=False)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.note = f"{engines} engine(s) stopped at {stamp}: {why}"
+        self.note = f"{engines} engine(s) stopped at {stamp}: {why}" + (
+            f"; {kept} kept serving (fencing: available)" if kept else ""
+        )
         self.note_until = None
-        log.warning("no replica reachable: stopping every engine", engines=engines, since_s=round(since, 1))
+        log.warning(
+            "no replica reachable: stopping every engine",
+            engines=engines,
+            kept_available=kept,
+            since_s=round(since, 1),
+        )
         self._on_change()
 
     # ------------------------------------------------------------------------------------ simulated chips
@@ -340,6 +359,9 @@ class ExecutorManager:
             if phase not in SERVING:
                 continue
             util = RUNNING_UTILIZATION if phase == InstancePhase.RUNNING else STARTING_UTILIZATION
+            util += (
+                self._load.extra.get(w.assignment.instance_id, 0.0) if phase == InstancePhase.RUNNING else 0.0
+            )
             for name in w.assignment.devices:
                 with contextlib.suppress(ValueError):
                     p = parse_device_name(name)
@@ -360,6 +382,20 @@ class ExecutorManager:
             changes = {k: v for k, v in want.items() if self._chips_written.get(k) != v}
             if changes:
                 await asyncio.to_thread(self._write_chips, changes)
+
+    async def _load_loop(self) -> None:
+        """Simulated nodes: follow the Running engines' request rates (`simload`)."""
+        if self.chip_usage is None:
+            return
+        while True:
+            await asyncio.sleep(LOAD_POLL_S)
+            engines = {
+                iid: (self.ctx.address, w.port)
+                for iid, w in self.workers.items()
+                if w.status.phase == InstancePhase.RUNNING and w.port
+            }
+            if await self._load.poll(engines):
+                self._chips_dirty.set()
 
     def _write_chips(self, changes: dict[tuple[str, int], tuple[int, float]]) -> None:
         assert self.chip_usage is not None

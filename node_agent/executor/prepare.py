@@ -13,6 +13,8 @@ Engines (`spec.engine`):
   same arguments instead (and says so in the instance's reason); without the flag the instance is
   Failed, naming the node and the fix.
 * `template`: `spec.command_template` with its placeholders (see `launch_plan`).
+* `test`: the built-in test engine (kunlun-test-engine) under the agent's own interpreter; what
+  `kunlun-cli verify` deploys.
 
 Workload values mapped to SGLang's: dtype fp16/bf16/fp32 -> float16/bfloat16/float32; quantization
 none -> (the checkpoint's own), fp8 -> fp8, w8a8/int8 -> w8a8_int8, int4 -> (the checkpoint's own:
@@ -271,6 +273,10 @@ async def prepare(
     except ConfigError as e:
         raise PrepareError(f"workload {a.spec.name}: {e}", permanent=True) from None
     argv, env, note = plan.argv, dict(plan.env), ""
+    if req.engine == "test":  # the agent's own interpreter: the engine python need not have this package
+        argv = (sys.executable, *plan.argv[1:])
+        env["PYTHONPATH"] = str(_REPO_ROOT)
+        note = "serving with kunlun-test-engine (the built-in test engine)"
     if req.engine == "sglang":
         problem = await asyncio.to_thread(sglang_problem, s.engine_python)
         if problem is not None and not s.test_engine_fallback:
@@ -305,6 +311,8 @@ async def prepare(
         spec_env=spec_env,
         device_nodes=plan.device_nodes,
         user=s.engine_user,
+        writable_paths=(str(plan.cache_dir),) if plan.cache_dir is not None else (),
+        readable_paths=(str(pkg.model_dir),) if pkg is not None else (),
         limits=limits,
         cgroup_parent=f"{s.cgroup_parent}/{ctx.node}",
         sandbox=ctx.sandbox,

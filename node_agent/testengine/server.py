@@ -144,6 +144,7 @@ class KunlunTestEngine:
             "/v1/models": ("GET", self._models),
             "/get_model_info": ("GET", self._model_info),
             "/debug/env": ("GET", self._env_names),
+            "/get_load": ("GET", self._load),
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
             "/generate": ("POST", self._generate),
@@ -217,6 +218,10 @@ class KunlunTestEngine:
 
     def _health(self, _body: dict[str, Any]) -> tuple[int, bytes]:
         return 200, b""
+
+    def _load(self, _body: dict[str, Any]) -> tuple[int, bytes]:
+        """Generation requests so far (simulated nodes turn the rate into chip utilization)."""
+        return 200, _dumps({"requests": self.requests})
 
     def _env_names(self, _body: dict[str, Any]) -> tuple[int, bytes]:
         """The NAMES of the engine's environment variables (never values), to check the sandbox's."""
