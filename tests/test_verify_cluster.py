@@ -118,8 +118,7 @@ def test_a_card_serving_another_workload_is_refused(cluster: LocalCluster, cli: 
     assert refused["result"] == "fail" and "tenant" in refused["measured"]
     assert "tenant" in refused["evidence"][0]["output"]
     assert list(cps) == [(2, "the card is free")]  # nothing was deployed or measured
-    # layer 4 needs every cambricon card: refused too, and allowed with --allow-busy (checked no
-    # further here: the refusal is what this test is about)
+    # layer 4 needs every cambricon card: refused too
     r4 = cli("verify", "--layer", "4", "-o", "json")
     assert r4.returncode == 1, r4.stderr
     refused4 = checkpoints(json.loads(r4.stdout))[(4, "the cambricon cards are free")]
