@@ -52,7 +52,10 @@ def up(base: Path, free_ports: bool = False) -> int:
     write_client_config(cfg_path, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
     print(f"[5/5] client config written to {cfg_path}", flush=True)
     print(f"\nleader: {cluster.leader()}   logs: {base}")
-    print("gateways: " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values()))
+    print(
+        "gateways (plain HTTP without API keys, on loopback: development only; production gateways "
+        "serve HTTPS and require keys): " + ", ".join(f"http://{a}" for a in cluster.gateway_addrs.values())
+    )
     ca, cert, key = cluster.monitoring_tls()
     print(
         f"metrics (HTTPS; client certificate {cert} with key {key}; "

@@ -73,6 +73,10 @@ def save_state(paths: Paths, state: dict[str, Any]) -> None:
     os.replace(tmp, paths.state_file)
 
 
+ENGINE_USER = "kunlun-engine"
+"""The agent's default --engine-user: a system user with no home and no login shell."""
+
+
 def ensure_user(user: str) -> tuple[int, int]:
     try:
         pw = pwd.getpwnam(user)
@@ -297,6 +301,8 @@ def install(paths: Paths, bundle: Bundle, req: InstallRequest) -> None:
             "never copy a CA key to a host; give only its certs",
         )
     uid, gid = ensure_user(req.user)
+    if req.role == "worker":
+        ensure_user(ENGINE_USER)  # the agent runs every engine as this unprivileged user
     for d, mode, owner in (
         (paths.prefix, 0o755, (0, 0)),
         (paths.etc, 0o750, (0, gid)),

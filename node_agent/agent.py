@@ -20,6 +20,7 @@ from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
+from node_agent.executor.hardening import plan_hardening, protect_key_folder, with_engine_user
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.package_cache import PackageCache
 from node_agent.executor.package_pull import PackagePuller, PullSettings
@@ -27,7 +28,6 @@ from node_agent.executor.prepare import NodeContext
 from node_agent.executor.probes import endpoint
 from node_agent.executor.sandbox import (
     Protections,
-    SandboxSettings,
     detect_protections,
     require_protections,
 )
@@ -104,6 +104,11 @@ class Agent:
         self.plugin_socket_dir = plugin_socket_dir(self.config, state_dir)
         self.protections = detect_protections()
         require_protections(self.protections, settings.executor.allow_unsandboxed)
+        protect_key_folder(settings.cert_dir, paths.key.parent, paths.key)
+        # engines never see the certificates nor the agent's state (their own folders are bound back)
+        self.hardening = plan_hardening(
+            settings.executor, self.protections, (settings.cert_dir, str(self.state_dir))
+        )
         ex = settings.executor
         package_cache = PackageCache(
             root=state_dir.resolve() / "packages",
@@ -120,8 +125,8 @@ class Agent:
             address=self.config.address,
             instances_dir=state_dir.resolve() / "instances",
             cache_root=state_dir.resolve() / "cache",
-            settings=settings.executor,
-            sandbox=SandboxSettings().restricted_to(self.protections),
+            settings=with_engine_user(settings.executor, self.hardening),
+            sandbox=self.hardening.sandbox,
             cgroups=self.protections.cgroup_memory
             or self.protections.cgroup_pids
             or self.protections.cgroup_cpu,
@@ -131,7 +136,7 @@ class Agent:
         )
         self.executor = ExecutorManager(
             ctx,
-            protection_names(self.protections),
+            [*protection_names(self.protections), *self.hardening.names],
             self._seconds_since_contact,
             simulated.chip_usage if simulated is not None else None,
             fence_deadline_s=settings.executor.disconnect_stop_s,
@@ -270,7 +275,7 @@ class Agent:
             simulated=self.config.simulated,
             endpoints=list(self.settings.endpoints),
             node_service=self.node_service_address,
-            protections=protection_names(self.protections),
+            protections=[*protection_names(self.protections), *self.hardening.names],
             protection_notes=list(self.protections.notes),
         )
         tasks = [

@@ -59,7 +59,23 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     e.add_argument(
         "--engine-python", default=d.engine_python, help="interpreter with SGLang (default python3)"
     )
-    e.add_argument("--engine-user", default=None, help="run engines as this unprivileged user")
+    e.add_argument(
+        "--engine-user",
+        default=d.engine_user,
+        help=f"run engines as this unprivileged user (default {d.engine_user}; '' runs them as the agent's user)",
+    )
+    e.add_argument(
+        "--no-engine-seccomp",
+        dest="engine_seccomp",
+        action="store_false",
+        help="do not load the engines' system-call allowlist (only where the host lacks libseccomp)",
+    )
+    e.add_argument(
+        "--no-engine-read-only-root",
+        dest="engine_read_only_root",
+        action="store_false",
+        help="leave the host file system writable in the engines' view (only where remounting fails)",
+    )
     e.add_argument(
         "--engine-memory-limit-mb",
         type=int,
@@ -170,7 +186,9 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         allow_unsandboxed=a.allow_unsandboxed,
         test_engine_fallback=a.test_engine_fallback,
         engine_python=a.engine_python,
-        engine_user=a.engine_user,
+        engine_user=a.engine_user or None,
+        engine_seccomp=a.engine_seccomp,
+        engine_read_only_root=a.engine_read_only_root,
         memory_limit_mb=a.engine_memory_limit_mb,
         cpu_cores=a.engine_cpu_cores,
         stop_engines_on_exit=a.stop_engines_on_exit,

@@ -36,8 +36,16 @@ class ExecutorSettings:
     """When SGLang is not installed, serve `engine: sglang` workloads with kunlun-test-engine (demo, tests)."""
     engine_python: str = "python3"
     """Interpreter of the engines' Python environment (where SGLang is installed)."""
-    engine_user: str | None = None
-    """Unprivileged user the engines run as (None: the agent's user)."""
+    engine_user: str | None = "kunlun-engine"
+    """Unprivileged user the engines run as (created by `make install` and kunlun-installer); None
+    or empty: the agent's own user (root for a root agent: logged loudly, shown in `node describe`).
+    An agent that is not root cannot switch users: its engines run as its own user."""
+    engine_seccomp: bool = True
+    """Load the default-deny system-call allowlist into every engine; turn off only where the host
+    lacks libseccomp (logged loudly, shown in `node describe`)."""
+    engine_read_only_root: bool = True
+    """Show engines the host file system read-only except their own folders, the model and cache;
+    turn off only where the host cannot remount in a mount namespace (logged, shown)."""
     memory_limit_mb: int | None = None
     """Default host-memory limit of one instance (cgroup); the spec's env KUNLUN_MEMORY_LIMIT_MB wins."""
     cpu_cores: float | None = None

@@ -56,6 +56,18 @@ if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
   apt_install nftables
 fi
 
+# the engines' seccomp filter (pyseccomp) loads the system's libseccomp.so.2
+if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+  apt_install libseccomp2
+fi
+
+# engines run as this dedicated unprivileged system user (the agent's --engine-user default);
+# without root the agent cannot switch users and engines run as the agent's own user
+if [ "$(id -u)" = "0" ] && ! getent passwd kunlun-engine >/dev/null; then
+  useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kunlun-engine
+  echo "created system user kunlun-engine (engines run as it)"
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "creating .venv with $PY ..."
   "$PY" -m venv .venv

@@ -110,14 +110,27 @@ def test_records_are_checked_even_with_a_matching_checksum(tmp_path: Path) -> No
 
 
 def test_restore_keeps_the_order_and_ties_of_creation() -> None:
-    """One transaction per original create revision, in order (split at etcd's 128 operations)."""
+    """Workloads never share a transaction with a workload of another original create revision;
+    everything else fills transactions of at most 128, in order of creation."""
     recs = [
         Record("/kunlun/v1/workloads/b", b"", 30, 30, 1),
+        Record("/kunlun/v1/workloads/c", b"", 30, 30, 1),  # created with b: a tie to keep
         Record("/kunlun/v1/workloads/a", b"", 50, 50, 1),
-        Record("/kunlun/v1/instances/b-0", b"", 30, 31, 2),
-        *(Record(f"/kunlun/v1/alloc/n/x:{i:03d}", b"", 40, 40, 1) for i in range(130)),
+        Record("/kunlun/v1/instances/b-0", b"", 31, 31, 2),
+        *(Record(f"/kunlun/v1/alloc/n/x:{i:03d}", b"", 40 + i, 40 + i, 1) for i in range(130)),
     ]
-    batches = creation_batches(recs)
-    assert [b[0].create_revision for b in batches] == [30, 40, 40, 50]
-    assert [len(b) for b in batches] == [2, 128, 2, 1]
-    assert {r.key for r in batches[0]} == {"/kunlun/v1/workloads/b", "/kunlun/v1/instances/b-0"}
+    batches = creation_batches(recs, ("/kunlun/v1/workloads/",))
+    assert [len(b) for b in batches] == [14, 120]  # workload a (50) opens a transaction of its own
+    flat = [r for b in batches for r in b]
+    assert [r.create_revision for r in flat] == sorted(r.create_revision for r in recs)
+    where = {r.key: i for i, b in enumerate(batches) for r in b}
+    assert (
+        where["/kunlun/v1/workloads/b"] == where["/kunlun/v1/workloads/c"] < where["/kunlun/v1/workloads/a"]
+    )
+    # workloads created one by one: each in its own transaction, in order; the rest fill in
+    one_by_one = [Record(f"/kunlun/v1/workloads/w{i:03d}", b"", 100 + i, 100 + i, 1) for i in range(5)]
+    batches = creation_batches([*one_by_one, *recs[3:]], ("/kunlun/v1/workloads/",))
+    where = {r.key: i for i, b in enumerate(batches) for r in b}
+    assert [where[r.key] for r in one_by_one] == sorted(set(where[r.key] for r in one_by_one))
+    assert len(batches) == 5 and all(len(b) <= 128 for b in batches)
+    assert creation_batches([]) == []

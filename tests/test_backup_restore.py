@@ -7,7 +7,8 @@ One scenario, in order (each step needs the state the previous one left):
 2. replicas and etcd stopped, etcd's data deleted; a fresh etcd cluster on the same ports and
    with the same cluster token has the old cluster id but rewound revisions: refused, naming the
    token; a damaged file is refused before etcd is even contacted;
-3. a fresh etcd cluster with a new token: restored; a second restore is refused (not empty);
+3. a fresh etcd cluster with a new token: restored; a second restore is refused (not empty), and
+   with --force replaces what is there (as after an interrupted restore);
 4. replicas started on it: the same workloads (same ids) are placed and Running again, the key
    and policy are there, a new leader leads, and a restore is now refused (replicas running).
 """
@@ -157,6 +158,23 @@ def test_backup_wipe_restore_and_the_cluster_serves_again(
     assert "wrote " in r.stderr
     r = cli("cluster", "restore", str(backup), "--etcd-endpoints", etcd_eps)
     assert r.returncode == 1 and "already holds" in r.stderr and "--force" in r.stderr, r.stderr
+    # an interrupted restore is finished with --force: what is there is deleted, then all written
+    again = json.loads(
+        ok(
+            cli(
+                "cluster",
+                "restore",
+                str(backup),
+                "--etcd-endpoints",
+                etcd_eps,
+                "--force",
+                "--quiet",
+                "-o",
+                "json",
+            )
+        )
+    )
+    assert again["written"] == restored["written"] and again["cluster_id"] == restored["cluster_id"]
 
     # ---- 4. replicas on the restored etcd: the same workloads, placed and Running again
     for name in c.replicas:

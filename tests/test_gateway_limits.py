@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.main import build_settings
-from kunlun_common.api import gateway_pb2
+from kunlun_common.api import gateway_pb2, workload_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.traffic import key_hash
 from tests.test_gateway_support import FakeControlPlane, GatewayProc, until
@@ -101,9 +101,9 @@ class Raw:
             return True
 
     async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(OSError):
-            await self.writer.wait_closed()
+        self.writer.transport.abort()  # unsent data is dropped: some tests fill the buffers
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(self.writer.wait_closed(), 5)
 
 
 def get(path: str, key: str = "", extra: str = "") -> bytes:
@@ -413,3 +413,54 @@ async def test_rate_limits_are_per_key(gw: GatewayProc) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_connection_past_max_pipelined_is_not_read(gw: GatewayProc, cp: FakeControlPlane) -> None:
+    """The first request hangs on an engine that never answers; the client keeps pipelining 1 MiB
+    requests. Past max_pipelined (4) queued requests the gateway stops reading: the client's
+    writes stall once the socket buffers are full, and the gateway's memory stays put."""
+    engine_conns: list[asyncio.StreamWriter] = []
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        engine_conns.append(writer)
+        with contextlib.suppress(OSError):
+            while await reader.read(65536):
+                pass
+
+    server = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hung = workload_pb2.Endpoint(instance_id="hung-0", address=f"127.0.0.1:{port}", workload="hung", node="n")
+    cp.publish([hung])
+    c = await Raw.open(gw)
+    try:
+        await until(lambda: _serves(gw, "hung"), 10, "the gateway to route workload hung")
+        before = memory_kib(gw.proc.pid)
+        first = b'{"model": "hung", "messages": [{"role": "user", "content": "x"}]}'
+        c.send(post_head("/v1/chat/completions", len(first), KEY_B) + first)
+        await until(lambda: engine_conns, 10, "the first request to reach the engine")
+        body = b"x" * (1024 * 1024)
+        sent = 0
+        stalled = False
+        for _ in range(100):
+            c.send(post_head("/v1/chat/completions", len(body), KEY_B) + body)
+            try:
+                await asyncio.wait_for(c.writer.drain(), 3)
+            except TimeoutError:
+                stalled = True
+                break
+            sent += 1
+        after = memory_kib(gw.proc.pid)
+        grown_mib = (after["VmHWM"] - max(before["VmHWM"], before["VmRSS"])) / 1024
+        assert stalled and sent < 40, f"{sent} MiB were taken without a stall"
+        assert grown_mib < 32, f"peak RSS grew by {grown_mib:.0f} MiB"
+    finally:
+        await c.close()
+        cp.publish([])
+        for w in engine_conns:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def _serves(gw: GatewayProc, workload: str) -> bool:
+    return workload in (await gw.status())["workloads"]

@@ -165,6 +165,41 @@ def test_killed_agent_engine_fences_itself_before_the_move(safe_cluster: LocalCl
     _lose_agent(safe_cluster, "kill")
 
 
+def test_available_engine_keeps_serving_without_contact(safe_cluster: LocalCluster) -> None:
+    """`fencing: available`: a frozen agent's engine is not fenced. It still serves past the
+    disconnect deadline while its replacement starts elsewhere (the trade-off that setting states),
+    and the agent stops it once it is back and learns the instance moved."""
+    c = safe_cluster
+    submit(
+        c,
+        name="avail",
+        model="m",
+        preferred_device_types=["cambricon", "ascend"],
+        replicas=1,
+        fencing="available",
+    )
+    wait_for(lambda: running_on(c, "avail", "node-"), 120, "avail Running")
+    inst = get(c, "avail").instances[0]
+    iid, lost = inst.id, inst.node
+    other = next(n for n in c.node_names() if n != lost)
+    old = [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "start"][-1]
+    agent = c.agents[lost]
+    agent.pause()
+    try:
+        wait_for(lambda: not nodes_ready(c)[lost], 30, f"{lost} NotReady")
+        paused_at = time.monotonic()
+        wait_for(lambda: running_on(c, "avail", f"{other}/"), 120, f"avail Running on {other}")
+        # a strict engine would have fenced itself by now (deadline + slack + stop grace)
+        assert time.monotonic() - paused_at > DEADLINE_S + 1 + STOP_GRACE_S
+        assert pid_alive(old["pid"]), "the available engine was stopped without contact"
+        assert not [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
+    finally:
+        agent.resume()
+    wait_for(lambda: not pid_alive(old["pid"]), 60, "the old engine stopped once its agent is back")
+    stops = [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
+    assert stops and "fenced" not in stops[-1]["cause"], stops
+
+
 def test_device_handoff_waits_for_the_old_engine(safe_cluster: LocalCluster) -> None:
     """Delete and resubmit onto the same device while the old engine ignores SIGTERM for 2.5 s:
     the new engine starts only once the old one is gone, and says what it waits for meanwhile."""

@@ -77,7 +77,8 @@ def test_unknown_key_without_a_close_match_lists_the_keys() -> None:
         "scheduler_config.yaml: 1 problem:\n"
         "  - zzz: expected a known key (known: policy, priority_weights, min_gpu_utilization_threshold, "
         "temperature_limit_c, preemption_enabled_for, node_not_ready_grace_seconds, "
-        "device_unhealthy_grace_seconds, max_placements_per_commit), found an unknown key"
+        "device_unhealthy_grace_seconds, pause_moves_not_ready_fraction, max_placements_per_commit), "
+        "found an unknown key"
     )
 
 
@@ -217,6 +218,7 @@ def test_to_yaml_text() -> None:
         "- high\n"
         "node_not_ready_grace_seconds: 30.0\n"
         "device_unhealthy_grace_seconds: 10.0\n"
+        "pause_moves_not_ready_fraction: 0.5\n"
         "max_placements_per_commit: 50\n"
     )
 

@@ -32,7 +32,9 @@ from controlplane.store.backup import (
 from controlplane.store.backup_file import BackupHeader, read_backup, write_backup
 from kunlun_common.pki import ETCD_ADMIN
 
-POLICY = RestorePolicy(prefix="/kunlun/", never=keys.NEVER_RESTORED, live=keys.LIVE_MARKERS)
+POLICY = RestorePolicy(
+    prefix="/kunlun/", never=keys.NEVER_RESTORED, live=keys.LIVE_MARKERS, ordered=(keys.WORKLOADS,)
+)
 
 
 def add_etcd_args(p: argparse.ArgumentParser) -> None:

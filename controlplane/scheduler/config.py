@@ -56,6 +56,12 @@ class SchedulerConfig:
     """Silence after which a node is marked NotReady (read by the health monitor; > 0)."""
     device_unhealthy_grace_seconds: float = 10.0
     """Time a device may stay unhealthy before its instances are rescheduled (>= 0)."""
+    pause_moves_not_ready_fraction: float = 0.5
+    """When at least this share of the nodes (and at least two) is NotReady at once, instances of
+    `fencing: available` workloads are not moved off them: so many nodes lost together more likely
+    means the control plane lost them than that they stopped serving, and their engines keep
+    serving (as Kubernetes pauses evictions on a zone disruption). 0..1; 1 never pauses unless
+    every node is NotReady. `strict` instances are always moved: their engines stop by themselves."""
     max_placements_per_commit: int = 50
     """Placements per etcd transaction: 1..64, since etcd allows 128 operations per transaction and
     each placement costs 2."""
@@ -140,6 +146,7 @@ def _check_values(config: SchedulerConfig) -> list[str]:
     grace = config.device_unhealthy_grace_seconds
     if not _is_number(grace) or not math.isfinite(grace) or grace < 0:
         problems.append(f"device_unhealthy_grace_seconds: expected a number >= 0, found {_describe(grace)}")
+    _check_range(problems, "pause_moves_not_ready_fraction", config.pause_moves_not_ready_fraction, 0.0, 1.0)
     cap = config.max_placements_per_commit
     if not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= MAX_PLACEMENTS_PER_COMMIT:
         problems.append(

@@ -78,12 +78,24 @@ def bounded_reasons(reasons: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def mass_not_ready(st: ClusterState, fraction: float) -> str:
+    """Why moves off NotReady nodes are paused for `fencing: available` instances ("" if not):
+    at least `fraction` of the known nodes, and at least two, are without their liveness lease."""
+    nodes = set(st.nodes)
+    lost = nodes - set(st.alive)
+    if len(lost) >= 2 and len(lost) >= fraction * len(nodes):
+        return f"{len(lost)} of {len(nodes)} nodes NotReady at once (pause_moves_not_ready_fraction {fraction:g})"
+    return ""
+
+
 class SchedulerLoop:
     def __init__(self, store: EtcdStore, replica: str) -> None:
         self.store = store
         self.by = f"scheduler@{replica}"
         self.unhealthy_since: dict[str, float] = {}
         self.not_ready_since: dict[str, float] = {}
+        self.paused_moves = ""
+        """Why moves of `fencing: available` instances off NotReady nodes are paused ("" if not)."""
         self.retiring_since: dict[str, float] = {}
         self.drain_s = DRAIN_S
         self.ticks = 0
@@ -214,6 +226,13 @@ class SchedulerLoop:
         cfg = st.config
         units: list[Unit] = []
         self.observe(st, mono)
+        paused = mass_not_ready(st, cfg.pause_moves_not_ready_fraction)
+        if paused != self.paused_moves:
+            if paused:
+                log.warning("moves of fencing: available instances paused", why=paused)
+            else:
+                log.info("moves of fencing: available instances resumed")
+            self.paused_moves = paused
         for inst, kv in st.instances.values():
             if inst.phase not in PLACED or not inst.node:
                 continue
@@ -222,6 +241,8 @@ class SchedulerLoop:
                 continue
             generation = owner[0].generation
             reason = ""
+            if inst.node not in st.alive and paused and owner[0].spec.fencing == "available":
+                continue  # its engine keeps serving; the node more likely lost us than its work
             if inst.node not in st.alive:
                 down_for = mono - self.not_ready_since.get(inst.node, mono)
                 if down_for >= cfg.node_not_ready_grace_seconds:

@@ -16,9 +16,11 @@ replicas write new liveness keys; node readiness and instance placement are re-e
 the new leader's loops (graces count from the new term, so instances whose agents come back in
 time stay where they are, the others are placed again).
 
-Order: keys are written in the order of their original create revisions, one transaction per
-original revision, so create-revision order and ties survive (the scheduler's queue orders
-workloads by theirs); the revisions themselves are new.
+Order: keys are written in the order of their original create revisions, in transactions of at
+most 128 puts; the keys of `RestorePolicy.ordered` prefixes (workloads: the scheduler's queue orders
+their new instances by the workload's create revision) never share a transaction with another of
+their kind created at another revision, so their create-revision order and ties survive exactly.
+The revisions themselves are new.
 
 Revisions: a fresh cluster starts its revisions at 1, behind the backup's. Agents order assignment
 sets by (etcd cluster id, revision), and a new cluster id resets that order; a fresh cluster that
@@ -77,6 +79,8 @@ class RestorePolicy:
     """Key prefixes never restored (per-process and per-term keys); leased keys never are either."""
     live: tuple[str, ...]
     """Key prefixes whose presence means replicas are running against the cluster."""
+    ordered: tuple[str, ...] = ()
+    """Key prefixes whose keys must keep the order and ties of their create revisions."""
 
 
 @dataclass(frozen=True)
@@ -211,18 +215,24 @@ async def _wipe(ch: grpc.aio.Channel, policy: RestorePolicy, request_s: float) -
     await kv.DeleteRange(rpc.DeleteRangeRequest(key=policy.prefix.encode(), range_end=end), timeout=request_s)
 
 
-def creation_batches(records: list[Record]) -> list[list[Record]]:
-    """The keys in the order they were created, one transaction per original create revision (split
-    at MAX_TXN_OPS): the restored keys' create revisions keep their old order and ties, which the
-    scheduler's queue order (a workload's create revision) relies on."""
-    batches: list[list[Record]] = []
-    last = -1
+def creation_batches(records: list[Record], ordered: tuple[str, ...] = ()) -> list[list[Record]]:
+    """The keys in the order they were created, in transactions of at most MAX_TXN_OPS puts.
+
+    Keys under an `ordered` prefix keep the order and the ties of their original create
+    revisions exactly (the scheduler's queue orders a workload's new instances by the workload's
+    create revision): a transaction never holds two of them with different original revisions.
+    Every other key only keeps its rough place in that order (nothing compares their creation)."""
+    batches: list[list[Record]] = [[]]
+    ordered_rev = -1  # original create revision of the ordered keys in the open batch (-1: none)
     for r in sorted(records, key=lambda r: (r.create_revision, r.key)):
-        if r.create_revision != last or len(batches[-1]) >= MAX_TXN_OPS:
+        is_ordered = r.key.startswith(ordered) if ordered else False
+        if len(batches[-1]) >= MAX_TXN_OPS or (is_ordered and ordered_rev not in (-1, r.create_revision)):
             batches.append([])
-            last = r.create_revision
+            ordered_rev = -1
+        if is_ordered:
+            ordered_rev = r.create_revision
         batches[-1].append(r)
-    return batches
+    return [b for b in batches if b]
 
 
 def restorable(records: list[Record], policy: RestorePolicy) -> list[Record]:
@@ -273,7 +283,7 @@ async def restore_backup(
             await _wipe(ch, policy, ep_timeout)
         kv = rpc.KVStub(ch)
         done = 0
-        for batch in creation_batches(todo):
+        for batch in creation_batches(todo, policy.ordered):
             ops = [
                 rpc.RequestOp(request_put=rpc.PutRequest(key=r.key.encode(), value=r.value)) for r in batch
             ]

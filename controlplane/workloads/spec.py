@@ -23,6 +23,8 @@ QUANTIZATIONS = ("none", "w8a8", "int8", "fp8", "int4", "awq", "gptq")
 DTYPES = ("auto", "fp16", "bf16", "fp32")
 PRIORITIES = ("high", "normal", "low")
 ENGINES = ("sglang", "template", "test")
+FENCING = ("", "strict", "available")
+"""`fencing` values ("" is strict)."""
 FIELDS = [f.name for f in workload_pb2.WorkloadSpec.DESCRIPTOR.fields]
 MAX_REPLICAS = 1000
 MAX_DEVICES = 64
@@ -71,6 +73,8 @@ def validate(spec: workload_pb2.WorkloadSpec) -> list[str]:
         p.append("model: required; give a model path or name, e.g. qwen2-0.5b")
     if spec.engine not in ENGINES:
         p.append(f"engine: expected one of {', '.join(ENGINES)}, found {spec.engine!r}")
+    if spec.fencing not in FENCING:
+        p.append(f"fencing: expected one of strict, available, found {spec.fencing!r}")
     if spec.engine == "template" and "{port}" not in spec.command_template:
         p.append("command_template: an engine template must contain {port} (and usually {model}, {host})")
     if spec.quantization not in QUANTIZATIONS:

@@ -64,6 +64,7 @@ class WorkloadSpec(_message.Message):
     PACKAGE_FIELD_NUMBER: _builtins.int
     MAX_SURGE_FIELD_NUMBER: _builtins.int
     MAX_UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    FENCING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name; commands accept the name or the generated id."""
     model: _builtins.str
@@ -103,6 +104,12 @@ class WorkloadSpec(_message.Message):
     """... and at most this many below `replicas` serving (unset: 0, or 1 when max_surge is 0 or when
     no capacity is left for a surge instance).
     """
+    fencing: _builtins.str
+    """What the instance's engine does when its agent loses contact with every replica (README
+    "Fencing"): "strict" (or empty) stops it after the agent's disconnect deadline, so an instance
+    never runs twice; "available" keeps it serving (through a control-plane outage too), at the
+    price that a partitioned node's engine may run beside its replacement until the node is back.
+    """
     @_builtins.property
     def preferred_device_types(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Ordered preference of device types; empty: any."""
@@ -138,10 +145,11 @@ class WorkloadSpec(_message.Message):
         package: _builtins.str = ...,
         max_surge: _builtins.int | None = ...,
         max_unavailable: _builtins.int | None = ...,
+        fencing: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "max_concurrency", b"max_concurrency", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "package", b"package", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "batch_size", b"batch_size", "command_template", b"command_template", "devices_per_instance", b"devices_per_instance", "dtype", b"dtype", "engine", b"engine", "engine_args", b"engine_args", "env", b"env", "fencing", b"fencing", "max_concurrency", b"max_concurrency", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable", "memory_per_device_mb", b"memory_per_device_mb", "model", b"model", "name", b"name", "package", b"package", "pin", b"pin", "preferred_device_types", b"preferred_device_types", "priority", b"priority", "quantization", b"quantization", "replicas", b"replicas", "require_p2p", b"require_p2p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_surge: _TypeAlias = _typing.Literal["max_surge"]  # noqa: Y015
     _WhichOneofArgType__max_surge: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge"]  # noqa: Y015

@@ -8,6 +8,8 @@
 * `probes` - HTTP health probe and first-token measurement;
 * `launch_plan` - from workload + allocation + device plugin answer to the exact engine process;
 * `sandbox` (+ `sandbox_init`) - namespaces, private /tmp and /dev, environment allowlist;
+  `mount_view` - the engine's read-only file-system view; `confine` - user, capabilities,
+  no_new_privs and the seccomp filter (`seccomp_policy`); `hardening` - what is on, off and why;
   `detect_protections`;
 * `cgroups` - per-instance cgroups on v1, v2 or hybrid hosts, OOM kill counter;
 * `supervisor` - the detached per-instance supervisor process; `supervisor_api` - the agent's side

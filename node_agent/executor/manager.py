@@ -64,6 +64,12 @@ def fingerprint(a: agent_pb2.Assignment) -> str:
     return h.hexdigest()[:20]
 
 
+def available(a: agent_pb2.Assignment) -> bool:
+    """Whether the instance's workload chose `fencing: available`: its engine keeps serving while
+    the agent has no contact with any replica (no self-fence, no stop on disconnect)."""
+    return a.spec.fencing == "available"
+
+
 @dataclass
 class Orphan:
     """An instance dir found at start-up, before the first assignments say whether it is still wanted."""
@@ -258,7 +264,8 @@ class ExecutorManager:
     def _start_worker(
         self, a: agent_pb2.Assignment, handle: SupervisorHandle | None, saved: dict[str, Any] | None
     ) -> None:
-        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, self.fence_deadline_s)
+        fence_s = 0.0 if available(a) else self.fence_deadline_s  # `fencing: available`: no self-fence
+        w = InstanceWorker(self.ctx, a, fingerprint(a), self._on_change, handle, saved, fence_s)
         self.workers[a.instance_id] = w
         w.start()
         assert w.task is not None
@@ -313,20 +320,29 @@ class ExecutorManager:
 
     def _suspend(self, since: float) -> None:
         limit = self.ctx.settings.disconnect_stop_s
-        engines = sum(1 for w in self.workers.values() if w.engine_live)
+        strict = [w for w in self.workers.values() if not available(w.assignment)]
+        kept = sum(1 for w in self.workers.values() if available(w.assignment) and w.engine_live)
+        engines = sum(1 for w in strict if w.engine_live)
         engines += sum(1 for o in self.orphans.values() if o.handle is not None and alive(o.handle))
         self.suspended, self.received = True, False
         why = f"no replica reachable for {since:.0f}s (disconnect_stop_s={limit:g})"
-        for w in self.workers.values():
+        for w in strict:
             w.request_stop(f"stopped: {why}")
         for iid, orphan in list(self.orphans.items()):
             if iid not in self.retiring:
                 del self.orphans[iid]
                 self._retire(iid, self._stop_orphan(iid, orphan, why), remove_dir=False)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.note = f"{engines} engine(s) stopped at {stamp}: {why}"
+        self.note = f"{engines} engine(s) stopped at {stamp}: {why}" + (
+            f"; {kept} kept serving (fencing: available)" if kept else ""
+        )
         self.note_until = None
-        log.warning("no replica reachable: stopping every engine", engines=engines, since_s=round(since, 1))
+        log.warning(
+            "no replica reachable: stopping every engine",
+            engines=engines,
+            kept_available=kept,
+            since_s=round(since, 1),
+        )
         self._on_change()
 
     # ------------------------------------------------------------------------------------ simulated chips

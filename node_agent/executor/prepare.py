@@ -311,6 +311,8 @@ async def prepare(
         spec_env=spec_env,
         device_nodes=plan.device_nodes,
         user=s.engine_user,
+        writable_paths=(str(plan.cache_dir),) if plan.cache_dir is not None else (),
+        readable_paths=(str(pkg.model_dir),) if pkg is not None else (),
         limits=limits,
         cgroup_parent=f"{s.cgroup_parent}/{ctx.node}",
         sandbox=ctx.sandbox,

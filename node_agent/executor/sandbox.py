@@ -19,9 +19,13 @@ Python 3.11 has no `os.unshare`, so namespaces come from util-linux `unshare(1)`
   TZ...) plus what the device plugin returned plus what the spec asks for explicitly: nothing else
   leaks (no LD_LIBRARY_PATH, HIP_PATH, *_PROXY, credentials).
 
+* In the engine's child the init drops every privilege (`confine.py`): the engine user, no
+  capabilities, no_new_privs, the seccomp allowlist; the host file system is read-only in its view
+  except its own folders, and the agent's folders are hidden (`mount_view.py`). On a node without
+  namespaces the supervisor drops the privileges itself before exec.
+
 Allocated device nodes that do not exist on this host (simulated devices) are skipped and
-reported in `SandboxedCommand.skipped_devices`. A root engine could mknod or remount its way
-out of the private /dev; run engines as an unprivileged `user` where the stack allows it.
+reported in `SandboxedCommand.skipped_devices`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +49,7 @@ from kunlun_common.errors import ConfigError
 from node_agent.executor.sandbox_init import FORWARDED_SIGNALS as FORWARDED_SIGNALS
 from node_agent.executor.sandbox_init import SETUP_FAILED_EXIT as SETUP_FAILED_EXIT
 from node_agent.executor.sandbox_init import init_main as init_main
+from node_agent.executor.seccomp_policy import available as seccomp_available
 
 if TYPE_CHECKING:
     from node_agent.executor.cgroups import CgroupLayout
@@ -93,6 +99,14 @@ class SandboxSettings:
     """The util-linux unshare(1) binary (name looked up on PATH, or a path)."""
     python: str = sys.executable
     """Interpreter that runs the sandbox init inside the namespaces."""
+    read_only_root: bool = True
+    """Show the engine the host file system read-only (in its mount namespace), except its own
+    folders (working folder, cache: read-write) and a private /tmp, /dev/shm."""
+    hidden_paths: tuple[str, ...] = ()
+    """Folders replaced by an empty read-only tmpfs in the engine's view (the agent sets its
+    certificate and state folders; the engine's own folders under them are bound back)."""
+    seccomp: bool = True
+    """Load the default-deny system-call allowlist (`seccomp_policy.py`) into the engine."""
 
     def uses_namespaces(self) -> bool:
         """Whether the engine is started through unshare and the sandbox init."""
@@ -107,6 +121,9 @@ class SandboxSettings:
             mount_namespace=mount_ns,
             private_tmp=self.private_tmp and mount_ns and protections.private_dev,
             private_dev=self.private_dev and mount_ns and protections.private_dev,
+            read_only_root=self.read_only_root and mount_ns and protections.read_only_root,
+            hidden_paths=self.hidden_paths if mount_ns and protections.private_dev else (),
+            seccomp=self.seccomp and protections.seccomp,
         )
 
 
@@ -130,6 +147,10 @@ class Protections:
     """The engine environment is built from an allowlist (always available)."""
     notes: tuple[str, ...] = ()
     """Why a protection is missing, for the operator."""
+    read_only_root: bool = False
+    """The sandbox init can remount the host file system read-only in the engine's namespace."""
+    seccomp: bool = False
+    """A seccomp filter can be built here (pyseccomp and the system's libseccomp.so.2)."""
 
     def isolating(self) -> bool:
         """Whether any real isolation (cgroups or namespaces) is available; the env allowlist alone is not."""
@@ -199,6 +220,10 @@ class SandboxRequest:
     """Allocated device nodes to expose in the private /dev."""
     user: str | None = None
     """Run the engine as this user (name, uid or uid:gid); None keeps the agent's user."""
+    writable_paths: tuple[str, ...] = ()
+    """Folders besides `workdir` the engine may write (its compilation cache)."""
+    readable_paths: tuple[str, ...] = ()
+    """Folders the engine must read even under a hidden folder (its model package)."""
 
 
 @dataclass(frozen=True)
@@ -336,6 +361,10 @@ def build_sandboxed_command(
         settings,
         user,
     )
+    if settings.read_only_root and settings.mount_namespace:
+        # the engine user's home is read-only (or absent) in its view: HOME is its working folder
+        if "HOME" not in request.spec_env and "HOME" not in request.plugin_env:
+            env["HOME"] = str(request.workdir)
     if not settings.uses_namespaces():
         return SandboxedCommand(tuple(request.argv), env, request.workdir, False, user, (), ())
     devices: tuple[DeviceNode, ...] = ()
@@ -353,6 +382,11 @@ def build_sandboxed_command(
         "devices": [asdict(d) for d in devices],
         "user": asdict(user) if user else None,
         "status_fd": status_fd,
+        "read_only_root": settings.read_only_root and settings.mount_namespace,
+        "hidden": list(settings.hidden_paths) if settings.mount_namespace else [],
+        "writable": list(request.writable_paths),
+        "readable": list(request.readable_paths),
+        "seccomp": settings.seccomp,
     }
     argv = (*_init_prefix(settings, "--init"), json.dumps(config), "--", *request.argv)
     return SandboxedCommand(argv, env, request.workdir, True, user, devices, skipped)
@@ -375,7 +409,11 @@ def detect_protections(
         cg[ctrl] = mount is not None and os.access(mount.mount_point, os.W_OK)
         if not cg[ctrl]:
             notes.append(f"cgroup {ctrl} controller " + ("absent" if mount is None else "not writable"))
-    pid_ns = mount_ns = private_dev = False
+    pid_ns = mount_ns = private_dev = read_only = False
+    # loading libseccomp takes a while on a busy host: done beside the namespace probe (agent start-up
+    # time counts against the engines' self-fencing deadline after an agent restart)
+    seccomp_check = ThreadPoolExecutor(1, thread_name_prefix="seccomp-probe")
+    seccomp_future = seccomp_check.submit(seccomp_available)
     if shutil.which(settings.unshare) is None:
         notes.append(f"{settings.unshare} not found: no namespaces")
     else:
@@ -395,7 +433,25 @@ def detect_protections(
         private_dev = bool(result.get("mount"))
         if result and not private_dev:
             notes.append(f"cannot mount tmpfs in the namespace: {result.get('error')}")
-    return Protections(cg["memory"], cg["pids"], cg["cpu"], pid_ns, mount_ns, private_dev, True, tuple(notes))
+        read_only = bool(result.get("read_only"))
+        if result and not read_only:
+            notes.append(f"cannot remount the host file system read-only: {result.get('read_only_error')}")
+    seccomp_problem = seccomp_future.result()
+    seccomp_check.shutdown()
+    if seccomp_problem:
+        notes.append(seccomp_problem)
+    return Protections(
+        cg["memory"],
+        cg["pids"],
+        cg["cpu"],
+        pid_ns,
+        mount_ns,
+        private_dev,
+        True,
+        read_only_root=read_only,
+        seccomp=seccomp_problem is None,
+        notes=tuple(notes),
+    )
 
 
 def require_protections(protections: Protections, allow_unsandboxed: bool) -> None:

@@ -1,16 +1,18 @@
 """The sandbox init: pid 1 of an engine's PID namespace, inside its mount namespace.
 
 Started by `unshare(1)` as `python -I -c <import init_main> --init CONFIG -- ARGV...` (see
-`sandbox.py`, which builds the command line). It imports the standard library only, so it starts
-fast. It mounts a private /tmp and a private /dev (the allowed device nodes, /dev/shm), forks the
-engine in its working directory (optionally as an unprivileged user), forwards signals to it, reaps
-zombies, and reports the engine's real exit status as JSON lines on an inherited status fd.
-`--probe` only says whether namespaces and mounts work here (for `detect_protections`).
+`sandbox.py`, which builds the command line). It imports the standard library only (the seccomp
+binding is loaded in the engine's child), so it starts fast. It builds the engine's file-system view
+(`mount_view.py`: host read-only, private /tmp and /dev with /dev/shm, the agent's folders hidden,
+the engine's own folders bound back), forks the engine in its working directory, drops every
+privilege there (`confine.py`: user, capabilities, no_new_privs, seccomp), forwards signals to it,
+reaps zombies, and reports the engine's real exit status as JSON lines on an inherited status fd.
+`--probe` only says whether namespaces, mounts and read-only remounts work here (for
+`detect_protections`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -20,6 +22,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from node_agent.executor import mount_view
+from node_agent.executor.confine import drop_privileges
 
 FORWARDED_SIGNALS = (
     signal.SIGTERM,
@@ -31,15 +36,10 @@ FORWARDED_SIGNALS = (
 )
 SETUP_FAILED_EXIT = 125
 """Exit code of the init when it could not set the sandbox up (as runc/docker use 125)."""
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND = 0x2, 0x4, 0x8, 0x1000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 
 
-def _mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.mount(source.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags), data.encode())
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {fstype} on {target}: {os.strerror(err)}")
+_mount = mount_view.mount
 
 
 def _setup_dev(devices: Sequence[Mapping[str, Any]], shm_size: str) -> None:
@@ -58,40 +58,74 @@ def _setup_dev(devices: Sequence[Mapping[str, Any]], shm_size: str) -> None:
     os.symlink("/proc/self/fd", "/dev/fd")
 
 
-def _kept_under_tmp(workdir: str, argv: Sequence[str]) -> list[str]:
-    """Directories under /tmp that must survive the private /tmp mount (outermost first, no nesting)."""
+def _kept_under_tmp(candidates: Sequence[str]) -> list[str]:
+    """Whole top-level folders under /tmp holding a folder the engine needs (e.g. a checkout and its
+    .venv together): they stay visible in the private /tmp."""
+    dirs = sorted({os.path.realpath(c) for c in candidates if c and os.path.isdir(c)})
+    return sorted(
+        {
+            "/tmp/" + Path(d).relative_to("/tmp").parts[0]
+            for d in dirs
+            if Path(d).is_relative_to("/tmp") and d != "/tmp"
+        }
+    )
+
+
+def _needed_folders(argv: Sequence[str]) -> list[str]:
+    """Folders the engine needs to read: the interpreters' prefixes and libraries, the program's
+    folder, PYTHONPATH entries, and folders of absolute paths on its command line."""
     import shutil
 
-    candidates = [workdir, sys.prefix, sys.base_prefix, *os.environ.get("PYTHONPATH", "").split(":")]
+    out = [sys.prefix, sys.base_prefix, *os.environ.get("PYTHONPATH", "").split(":")]
     exe = shutil.which(argv[0]) if argv else None
-    if exe:
-        candidates += [os.path.dirname(exe), os.path.dirname(os.path.realpath(exe))]
-    candidates += [
-        a if os.path.isdir(a) else os.path.dirname(a)
-        for a in argv[1:]
-        if a.startswith("/tmp/") and os.path.exists(a)
-    ]
-    dirs = sorted({os.path.realpath(c) for c in candidates if c and os.path.isdir(c)})
-    dirs = [d for d in dirs if Path(d).is_relative_to("/tmp") and d != "/tmp"]
-    out: list[str] = []
-    for d in dirs:  # sorted: a parent comes before its children
-        if not any(Path(d).is_relative_to(o) for o in out):
-            out.append(d)
-    # keep whole top-level folders under /tmp (e.g. a checkout and its .venv together)
-    return sorted({"/tmp/" + Path(d).relative_to("/tmp").parts[0] for d in out})
+    for path in [exe, os.path.realpath(exe)] if exe else []:
+        folder = os.path.dirname(path)
+        out.append(os.path.dirname(folder) if os.path.basename(folder) == "bin" else folder)
+    for a in argv[1:]:
+        if a.startswith("/") and not a.startswith(("/proc/", "/dev/", "/sys/")) and os.path.exists(a):
+            out.append(a if os.path.isdir(a) else os.path.dirname(a))
+    return [p for p in out if p and os.path.isdir(p)]
 
 
-def _exec_engine(argv: Sequence[str], workdir_fd: int, user: Mapping[str, Any] | None) -> None:
-    """In the forked child: become the engine. Never returns."""
+def _build_view(cfg: Mapping[str, Any], argv: Sequence[str]) -> None:
+    """Build the engine's file-system view in this mount namespace (see `mount_view.py`)."""
+    user = cfg.get("user")
+    hidden = [os.path.realpath(h) for h in cfg.get("hidden", ())]
+    writable = [cfg["workdir"], *cfg.get("writable", ())]
+    needed = [p for p in _needed_folders(argv) if not any(Path(p).is_relative_to(h) for h in hidden)]
+    wanted = [*writable, *cfg.get("readable", ()), *needed]
+    # the outermost folder the engine user cannot traverse on the way to one it needs is replaced
+    # by a bare tmpfs holding only what it needs (e.g. /root above a pyenv interpreter)
+    blocked = {b for p in wanted if (b := mount_view.blocked_ancestor(os.path.realpath(p), user))}
+    keep = mount_view.open_dirs(_kept_under_tmp([*wanted]) if cfg["private_tmp"] else [])
+    fds = mount_view.open_dirs(wanted)
+    try:
+        if cfg.get("read_only_root"):
+            skip = ["/proc", "/dev"] if cfg["private_tmp"] else ["/proc", "/dev", "/tmp", "/run/shm"]
+            mount_view.remount_read_only(skip)
+        if cfg["private_tmp"]:
+            mount_view.mount(
+                "tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={cfg['tmp_size']}"
+            )
+            mount_view.bind_back(keep, ())
+        if cfg["private_dev"]:  # before the binds: folders under /dev/shm come back into the private one
+            _setup_dev(cfg["devices"], cfg["shm_size"])
+        sealed = [h for h in sorted({*hidden, *blocked}, key=len) if mount_view.hide(h)]
+        mount_view.bind_back(fds, writable)
+        mount_view.seal(sealed)
+    finally:
+        mount_view.close_all(keep)
+        mount_view.close_all(fds)
+
+
+def _exec_engine(argv: Sequence[str], workdir: str, cfg: Mapping[str, Any]) -> None:
+    """In the forked child: drop every privilege and become the engine. Never returns."""
     try:
         os.setsid()
-        os.fchdir(workdir_fd)
+        os.chdir(workdir)  # by path: the writable bind, not the read-only mount below it
         for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
-        if user is not None:
-            os.setgroups(list(user["groups"]))
-            os.setgid(int(user["gid"]))
-            os.setuid(int(user["uid"]))
+        drop_privileges(cfg.get("user"), bool(cfg.get("seccomp")))
         os.execvpe(argv[0], list(argv), dict(os.environ))
     except OSError as exc:
         os.write(2, f"kunlun-sandbox: cannot start {argv[0]}: {exc}\n".encode())
@@ -107,6 +141,11 @@ def init_main(args: Sequence[str]) -> int:
             result["mount"] = True
         except OSError as exc:
             result["mount"], result["error"] = False, str(exc)
+        try:
+            mount_view.remount_read_only(["/proc", "/dev"])
+            result["read_only"] = True
+        except OSError as exc:
+            result["read_only"], result["read_only_error"] = False, str(exc)
         print(json.dumps(result))
         return 0
     if len(args) < 4 or args[0] != "--init" or args[2] != "--":
@@ -137,20 +176,8 @@ def init_main(args: Sequence[str]) -> int:
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     try:
-        workdir_fd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
-        if cfg["private_tmp"]:
-            # what lives under /tmp and the engine needs (its directory, its interpreter or virtual
-            # environment, files named on its command line) stays visible in the private /tmp
-            keep = {
-                p: os.open(p, os.O_RDONLY | os.O_DIRECTORY) for p in _kept_under_tmp(cfg["workdir"], argv)
-            }
-            _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={cfg['tmp_size']}")
-            for path, fd in keep.items():
-                os.makedirs(path, exist_ok=True)
-                _mount(f"/proc/self/fd/{fd}", path, "", _MS_BIND, "")
-                os.close(fd)
-        if cfg["private_dev"]:
-            _setup_dev(cfg["devices"], cfg["shm_size"])
+        os.close(os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY))
+        _build_view(cfg, argv)
     except OSError as exc:
         print(f"kunlun-sandbox: setup failed: {exc}", file=sys.stderr, flush=True)
         report(event="error", message=f"sandbox setup failed: {exc}")
@@ -159,7 +186,7 @@ def init_main(args: Sequence[str]) -> int:
     if pid == 0:
         if status_fd is not None:
             os.close(status_fd)
-        _exec_engine(argv, workdir_fd, cfg.get("user"))
+        _exec_engine(argv, cfg["workdir"], cfg)
     engine_pid = pid
     report(event="started", ns_pid=pid)
     for signum in pending:

@@ -39,6 +39,7 @@ from kunlun_common.errors import KunlunError
 from kunlun_common.states import ExitCause, SupervisorStatus
 from node_agent.executor import devlock, fence, ledger
 from node_agent.executor.cgroups import InstanceCgroup, detect_layout
+from node_agent.executor.confine import drop_privileges
 from node_agent.executor.logfiles import LineSplitter, LogSettings, RotatingLineLog
 from node_agent.executor.sandbox import SandboxRequest, build_sandboxed_command
 from node_agent.executor.supervisor_api import (
@@ -91,6 +92,18 @@ log = structlog.get_logger(__name__)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
+
+
+def _give(folder: Path, uid: int, gid: int) -> None:
+    """Hand `folder` and what it holds to the engine user (a cache seeded by the agent is root's)."""
+    if not folder.is_dir():
+        return
+    os.chown(folder, uid, gid)
+    for root, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            path = os.path.join(root, name)
+            if os.lstat(path).st_uid != uid:
+                os.chown(path, uid, gid, follow_symlinks=False)
 
 
 def _children(pid: int) -> list[int]:
@@ -191,23 +204,32 @@ class _Supervisor:
             self.cgroup.create(spec.limits)
         status_r, status_w = os.pipe() if spec.sandbox.uses_namespaces() else (None, None)
         request = SandboxRequest(
-            spec.argv, workdir, spec.plugin_env, spec.spec_env, spec.device_nodes, spec.user
+            spec.argv,
+            workdir,
+            spec.plugin_env,
+            spec.spec_env,
+            spec.device_nodes,
+            spec.user,
+            spec.writable_paths,
+            spec.readable_paths,
         )
         cmd = build_sandboxed_command(request, spec.sandbox, status_w)
         if cmd.user is not None:
-            os.chown(workdir, cmd.user.uid, cmd.user.gid)
+            for folder in [workdir, *map(Path, spec.writable_paths)]:
+                _give(folder, cmd.user.uid, cmd.user.gid)
         procs_files = self.cgroup.procs_files() if self.cgroup else ()
-        switch_user = None if cmd.namespaced else cmd.user
+        unboxed_user = None if cmd.namespaced else cmd.user
+        confine_here = not cmd.namespaced  # else the sandbox init confines the engine
+        seccomp = spec.sandbox.seccomp
 
         def preexec() -> None:  # in the child, before exec
             for procs in procs_files:
                 with open(procs, "w") as f:
                     f.write(str(os.getpid()))
             _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if switch_user is not None:
-                os.setgroups(list(switch_user.groups))
-                os.setgid(switch_user.gid)
-                os.setuid(switch_user.uid)
+            if confine_here:
+                user = asdict(unboxed_user) if unboxed_user is not None else None
+                drop_privileges(user, seccomp)
 
         spawned_ns = time.monotonic_ns()  # stamped before the spawn: the ledger interval covers it
         try:

@@ -59,6 +59,10 @@ class SupervisorSpec:
     """Engine working directory; default `<instance_dir>/work`."""
     user: str | None = None
     """Unprivileged user for the engine; None keeps the agent's user."""
+    writable_paths: tuple[str, ...] = ()
+    """Folders besides the working folder the engine may write (its cache); given to the engine user."""
+    readable_paths: tuple[str, ...] = ()
+    """Folders the engine must see even under a hidden folder (its model package)."""
     limits: CgroupLimits | None = None
     """Cgroup limits; None runs without a cgroup (and without OOM accounting)."""
     cgroup_parent: str = "kunlun"
