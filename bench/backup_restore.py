@@ -28,7 +28,11 @@ from devcluster.procs import wait_for
 from kunlun_common.pki import ClusterCerts, etcd_client_paths, init_cluster_certs
 
 POLICY = RestorePolicy(
-    prefix="/kunlun/", never=keys.NEVER_RESTORED, live=keys.LIVE_MARKERS, ordered=(keys.WORKLOADS,)
+    prefix="/kunlun/",
+    never=keys.NEVER_RESTORED,
+    live=keys.LIVE_MARKERS,
+    ordered=(keys.WORKLOADS,),
+    marker=keys.RESTORING,
 )
 
 

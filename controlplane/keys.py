@@ -29,6 +29,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | rollouts/<workload id>             | API (goal: create, promote/abort requests); leader (fenced: phase, step, weight) | Rollout (proto JSON) | - |
 | packages/<digest>                  | API (PackageService)  | the stored model package record (controlplane/package_store.py) | - |
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
+| restoring                          | `cluster restore`     | {"schema", "started_at_ms", "backup_revision", "backup_cluster_id"}: a restore is writing | - |
 | package-policy                     | API (PackageService)  | {"schema", "require_signed_packages", "by", "at_ms"} (controlplane/package_policy.py) | - |
 
 An ordinal has at most one instance: instance ids are unique per incarnation
@@ -81,7 +82,10 @@ PACKAGE_TRUST = ROOT + "package-trust/"
 PACKAGE_POLICY = ROOT + "package-policy"
 SCHEMA = 1
 
-NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS)
+RESTORING = ROOT + "restoring"
+"""Exists while `kunlun-cli cluster restore` writes the keys (first written, last deleted);
+replicas do not start serving while it exists, so none acts on a half-restored cluster."""
+NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS, RESTORING)
 """Per-process and per-term keys a restore from backup never writes back (most are also bound to
 leases, which a backup leaves out anyway): a restored cluster elects its leader afresh, replicas
 and gateways register again, and nodes are alive again once their agents reconnect."""

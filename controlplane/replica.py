@@ -157,6 +157,22 @@ class Replica:
                     ) from None
                 await asyncio.sleep(delay)
 
+    async def _wait_for_restore(self) -> None:
+        """Never act on a half-restored cluster: wait while `kunlun-cli cluster restore` writes
+        (it creates keys.RESTORING first and deletes it last; an interrupted restore leaves it, and
+        the operator finishes with `restore --force`)."""
+        logged = -1e9
+        while (kv := await self.store.get(keys.RESTORING)) is not None:
+            if time.monotonic() - logged >= 10.0:
+                logged = time.monotonic()
+                log.warning(
+                    "a restore from backup is writing this cluster's keys; waiting until it finishes "
+                    "(if it was interrupted: run `kunlun-cli cluster restore FILE --force` again)",
+                    key=keys.RESTORING,
+                    marker=kv.value.decode(errors="replace")[:200],
+                )
+            await asyncio.sleep(1.0)
+
     async def _check_fencing(self) -> None:
         """Refuse to start when a registered node's self-fencing is too slow for our node lease TTL
         and the stored grace (controlplane/fencing.py)."""
@@ -193,6 +209,7 @@ class Replica:
     async def start(self) -> None:
         await self.store.connect()
         await self._wait_for_etcd()
+        await self._wait_for_restore()
         await self._check_fencing()
         if self.settings.metrics_listen:
             self.metrics_server = MetricsServer(

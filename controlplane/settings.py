@@ -30,15 +30,19 @@ class ReplicaSettings:
     they share one (members on several hosts need a name that all their certificates carry)."""
     election: ElectionSettings = field(default_factory=ElectionSettings)
     """Leader election timing."""
-    node_lease_ttl_s: int = 10
-    """A node whose agent is not heard for this long turns NotReady (its etcd lease expires)."""
+    node_lease_ttl_s: int = 5
+    """A node whose agent is not heard for this long turns NotReady (its etcd lease expires). With
+    the scheduler's node_not_ready_grace_seconds it sets how soon a lost node's instances move (README
+    "Node loss: the defaults and their arithmetic")."""
     replica_lease_ttl_s: int = 5
     """A replica that dies disappears from `cluster status` after this long."""
     telemetry_snapshot_s: float = 10.0
     """How often a node's coarse telemetry snapshot is written to etcd (samples stay in memory)."""
-    heartbeat_ack_requires_etcd_s: float = 6.0
+    heartbeat_ack_requires_etcd_s: float = 3.0
     """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
-    agent talking to a replica cut off from etcd moves to another replica."""
+    agent talking to a replica cut off from etcd moves to another replica. It counts in the fencing
+    budget (an agent may hear its last ack this long after the lease's last refresh), so keep it
+    well under the lease: above a refresh (node_lease_ttl_s / 3) plus an etcd round trip."""
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""

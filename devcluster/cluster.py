@@ -47,7 +47,7 @@ class ClusterSpec:
     election_ttl_s: int = 5
     renew_deadline_s: float = 3.0
     retry_period_s: float = 1.0
-    node_lease_ttl_s: int = 10
+    node_lease_ttl_s: int = 5
     extra_nodes: tuple[str, ...] = ()
     """More agent certificates to issue (node names) for tests."""
     replica_args: tuple[str, ...] = ()

@@ -40,8 +40,8 @@ from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("agent")
 VERSION = "0.1.0"
-DEFAULT_NODE_LEASE_S = 10.0  # the replicas' default node_lease_ttl_s
-DEFAULT_NODE_GRACE_S = 30.0  # the scheduler's default node_not_ready_grace_seconds
+DEFAULT_NODE_LEASE_S = 5.0  # the replicas' default node_lease_ttl_s
+DEFAULT_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
 FENCE_RENEW_POLL_S = 0.2
 
 

@@ -11,7 +11,7 @@ from kunlun_common.errors import ConfigError
 from kunlun_common.logs import log_json, setup_logging
 from node_agent.settings import AgentSettings, ExecutorSettings
 
-SCHEDULER_NODE_GRACE_S = 30.0  # the scheduler's default node_not_ready_grace_seconds
+SCHEDULER_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
 
 
 def build_settings(argv: list[str] | None = None) -> AgentSettings:

@@ -25,11 +25,12 @@ class ExecutorSettings:
     """Longest delay between restarts."""
     backoff_reset_s: float = 120.0
     """An engine that ran this long before ending is restarted after the first delay again."""
-    stop_grace_s: float = 10.0
+    stop_grace_s: float = 3.0
     """SIGTERM to SIGKILL delay when stopping an engine."""
-    disconnect_stop_s: float = 20.0
-    """Stop every engine once no replica has been reached for this long (keep it below the scheduler's
-    node_not_ready_grace_seconds, 30 s by default, so an instance never runs on two nodes)."""
+    disconnect_stop_s: float = 5.0
+    """Stop every engine once no replica has acknowledged a heartbeat for this long (longer than an
+    agent restart; with the fence slack and stop_grace_s below the node lease + the scheduler's
+    node_not_ready_grace_seconds, 5 + 8 s by default, so an instance never runs on two nodes)."""
     allow_unsandboxed: bool = False
     """Run engines even when the node offers no isolation at all (no cgroup controller, no namespaces)."""
     test_engine_fallback: bool = False

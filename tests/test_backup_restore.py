@@ -7,14 +7,16 @@ One scenario, in order (each step needs the state the previous one left):
 2. replicas and etcd stopped, etcd's data deleted; a fresh etcd cluster on the same ports and
    with the same cluster token has the old cluster id but rewound revisions: refused, naming the
    token; a damaged file is refused before etcd is even contacted;
-3. a fresh etcd cluster with a new token: restored; a second restore is refused (not empty), and
-   with --force replaces what is there (as after an interrupted restore);
+3. a fresh etcd cluster with a new token: restored; a second restore is refused (not empty); an
+   interrupted restore (its marker left) is refused without --force, replicas started on it wait,
+   and `restore --force` finishes it;
 4. replicas started on it: the same workloads (same ids) are placed and Running again, the key
    and policy are there, a new leader leads, and a restore is now refused (replicas running).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -26,14 +28,16 @@ from pathlib import Path
 
 import pytest
 
+from controlplane import keys
 from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.cli.main import main
+from controlplane.store import EtcdStore
 from devcluster.cluster import EXAMPLES, LocalCluster
 from devcluster.etcd_cluster import build_etcd_cluster
 from devcluster.procs import stop_all, wait_for
 from kunlun_common.api import workload_pb2
 from kunlun_common.pki import paths_for
-from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
+from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster, store_settings
 from tests.sched_helpers import get, submit, workloads
 
 CLI = [sys.executable, "-m", "controlplane.cli.main"]
@@ -97,6 +101,14 @@ def running(c: LocalCluster, name: str) -> workload_pb2.Instance | None:
     return insts[0] if len(insts) == 1 and insts[0].phase == "Running" and insts[0].endpoint else None
 
 
+async def _put(c: LocalCluster, key: str, value: bytes) -> None:
+    s = EtcdStore(store_settings(c.cert_dir, c.etcd.endpoints))
+    try:
+        await s.put(key, value)
+    finally:
+        await s.close()
+
+
 def fresh_etcd(c: LocalCluster, token: str) -> None:
     """Stop etcd, delete every member's data, and start a new, empty cluster on the same ports."""
     ports = [(m.client_port, m.peer_port) for m in c.etcd.members]
@@ -158,7 +170,18 @@ def test_backup_wipe_restore_and_the_cluster_serves_again(
     assert "wrote " in r.stderr
     r = cli("cluster", "restore", str(backup), "--etcd-endpoints", etcd_eps)
     assert r.returncode == 1 and "already holds" in r.stderr and "--force" in r.stderr, r.stderr
-    # an interrupted restore is finished with --force: what is there is deleted, then all written
+    # an interrupted restore (its marker left behind): replicas started on it wait, and
+    # `restore --force` finishes it (what is there is deleted first, then everything written)
+    asyncio.run(_put(c, keys.RESTORING, b'{"schema":1}'))
+    r = cli("cluster", "restore", str(backup), "--etcd-endpoints", etcd_eps)
+    assert r.returncode == 1 and "did not finish" in r.stderr and "--force" in r.stderr, r.stderr
+    for name in c.replicas:
+        c.restart_replica(name)
+    log = c.base / "replicas" / "replica-1.log"
+    wait_for(
+        lambda: "a restore from backup is writing" in log.read_text(), 60, "replica-1 to wait for the restore"
+    )
+    assert not c.replica_serving("replica-1")
     again = json.loads(
         ok(
             cli(
@@ -177,8 +200,6 @@ def test_backup_wipe_restore_and_the_cluster_serves_again(
     assert again["written"] == restored["written"] and again["cluster_id"] == restored["cluster_id"]
 
     # ---- 4. replicas on the restored etcd: the same workloads, placed and Running again
-    for name in c.replicas:
-        c.restart_replica(name)
     for name in c.replicas:
         wait_for(lambda n=name: c.replica_serving(n), 60, f"{name} serving")
     wait_for(lambda: all(c.node_ready(n) for n in c.agents), 60, "nodes Ready again")

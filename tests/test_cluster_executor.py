@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -355,7 +356,24 @@ def test_assigned_instance_runs_sandboxed_and_answers(cluster: LocalCluster) -> 
     assert f"kunlun/node-a/{inst.id}" in cgroups
     assert os.readlink(f"/proc/{inst.pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
     # the node reports its protections; the simulated chip shows the engine's memory
-    assert {"cgroup-memory", "pid-namespace", "private-dev"} <= set(nodes(cluster)["node-a"].protections)
+    protections = set(nodes(cluster)["node-a"].protections)
+    assert {"cgroup-memory", "pid-namespace", "private-dev"} <= protections
+    # unprivileged by default: the engine user, no capabilities, no_new_privs, seccomp, read-only host
+    assert {
+        "engine-user:kunlun-engine",
+        "no-capabilities",
+        "no-new-privs",
+        "seccomp",
+        "read-only-root",
+        "hidden-agent-folders",
+    } <= protections
+    assert not [p for p in protections if p.startswith("off:")], protections
+    proc_status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{inst.pid}/status").read_text().splitlines()
+    )
+    assert proc_status["Uid"].split()[0] == str(pwd.getpwnam("kunlun-engine").pw_uid)
+    assert proc_status["NoNewPrivs"].strip() == "1" and proc_status["Seccomp"].strip() == "2"
+    assert int(proc_status["CapEff"], 16) == 0 and int(proc_status["CapBnd"], 16) == 0
     wait_for(
         lambda: any(
             d.name == "node-a/ascend:0" and d.telemetry.memory_used_mb == 1000 for d in cluster.devices()

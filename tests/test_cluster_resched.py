@@ -36,9 +36,9 @@ def node_ready(cluster: LocalCluster, node: str) -> bool:
 
 
 def test_dead_node_instances_move_after_grace_and_nothing_runs_twice(cluster: LocalCluster) -> None:
-    # the smallest grace the agents' self-fencing allows (20 s deadline + 1 s slack + 10 s stop grace
-    # must stay below the 10 s node lease + the grace)
-    set_config(cluster, "node_not_ready_grace_seconds: 22\n")
+    # the default grace: the agents' self-fencing (5 s deadline + 1 s slack + 3 s stop grace) stays
+    # below the 5 s node lease + 8 s
+    set_config(cluster, "node_not_ready_grace_seconds: 8\n")
     submit(cluster, name="svc", model="m", preferred_device_types=["cambricon", "ascend"], replicas=2)
     wait_for(lambda: placed(cluster, "svc", 2), 30, "placement")
     assert all(t.startswith("node-b/cambricon") for t in targets(cluster, "svc"))

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from chaos.invariants import double_allocations
@@ -361,3 +362,61 @@ def test_rollout_by_hand_replaces_the_model(cluster: LocalCluster, tmp_path: Pat
     )
     assert get(cluster, "svc").workload.spec.model == "qwen-v2"
     wait_for(lambda: models() == ["qwen-v2", "qwen-v2"], 90, "nothing serves the old model")
+
+
+def _page(cluster: LocalCluster, size: int, token: str = "") -> workload_pb2.ListWorkloadsResponse:
+    resp = call(
+        cluster,
+        lambda s: s.ListWorkloads,
+        workload_pb2.ListWorkloadsRequest(page_size=size, page_token=token),
+    )
+    assert isinstance(resp, workload_pb2.ListWorkloadsResponse)
+    return resp
+
+
+def test_workload_list_pages_are_one_consistent_snapshot(cluster: LocalCluster, tmp_path: Path) -> None:
+    names = [f"pg-{i}" for i in range(7)]
+    for n in names:
+        submit(
+            cluster, name=n, model="m", replicas=1, preferred_device_types=["ascend"], memory_per_device_mb=10
+        )
+    wait_for(lambda: all(get(cluster, n).instances for n in names), 30, "every workload has its instance")
+    first = _page(cluster, 3)
+    assert len(first.workloads) == 3 and first.next_page_token and first.revision > 0
+    # changes after the first page do not show in the later pages of this listing ...
+    submit(cluster, name="pg-late", model="m", replicas=1)
+    call(
+        cluster,
+        lambda s: s.DeleteWorkload,
+        workload_pb2.DeleteWorkloadRequest(name=first.workloads[0].workload.id),
+    )
+    pages = [first]
+    while pages[-1].next_page_token:
+        pages.append(_page(cluster, 3, pages[-1].next_page_token))
+        assert pages[-1].revision == first.revision
+    assert [len(p.workloads) for p in pages] == [3, 3, 1]
+    listed = [s.workload.id for p in pages for s in p.workloads]
+    assert listed == sorted(listed) and len(set(listed)) == 7
+    assert sorted(s.workload.spec.name for p in pages for s in p.workloads) == names
+    assert all(
+        len(s.instances) == 1 and s.instances[0].workload_id == s.workload.id
+        for p in pages
+        for s in p.workloads
+    )
+    # ... and a new listing (or the unpaged call, or the CLI, which pages) sees them
+    assert "pg-late" in {s.workload.spec.name for s in workloads(cluster)}
+    cli = _cli(cluster, tmp_path, "-o", "json", "workload", "list")
+    assert cli.returncode == 0, cli.stderr
+    assert "pg-late" in {i["name"] for i in json.loads(cli.stdout)["items"]}
+
+
+def test_bad_page_requests_are_refused_with_the_field(cluster: LocalCluster) -> None:
+    for size, token, field in (
+        (1001, "", "page_size"),
+        (-1, "", "page_size"),
+        (5, "not-a-token!", "page_token"),
+    ):
+        req = workload_pb2.ListWorkloadsRequest(page_size=size, page_token=token)
+        with pytest.raises(grpc.RpcError) as e:
+            call(cluster, lambda s: s.ListWorkloads, req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in (e.value.details() or "")

@@ -361,6 +361,11 @@ def test_agent_flags() -> None:
         and e.probe_interval_s == 0.5
     )
     d = build_settings(base).executor
-    assert not d.allow_unsandboxed and not d.test_engine_fallback and d.disconnect_stop_s == 20
+    assert (
+        not d.allow_unsandboxed
+        and not d.test_engine_fallback
+        and d.disconnect_stop_s == 5
+        and d.stop_grace_s == 3
+    )
     with pytest.raises(ConfigError, match="--disconnect-stop"):
         build_settings([*base, "--disconnect-stop", "0"])

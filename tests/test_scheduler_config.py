@@ -26,7 +26,7 @@ def test_defaults() -> None:
         c.node_not_ready_grace_seconds,
         c.device_unhealthy_grace_seconds,
         c.max_placements_per_commit,
-    ) == ("spread", {"high": 3.0, "normal": 1.0, "low": 1 / 3}, 80.0, 85.0, ("high",), 30.0, 10.0, 50)
+    ) == ("spread", {"high": 3.0, "normal": 1.0, "low": 1 / 3}, 80.0, 85.0, ("high",), 8.0, 10.0, 50)
     assert MAX_PLACEMENTS_PER_COMMIT == 64
 
 
@@ -216,7 +216,7 @@ def test_to_yaml_text() -> None:
         "temperature_limit_c: 85.0\n"
         "preemption_enabled_for:\n"
         "- high\n"
-        "node_not_ready_grace_seconds: 30.0\n"
+        "node_not_ready_grace_seconds: 8.0\n"
         "device_unhealthy_grace_seconds: 10.0\n"
         "pause_moves_not_ready_fraction: 0.5\n"
         "max_placements_per_commit: 50\n"
@@ -230,3 +230,25 @@ def test_config_is_immutable_and_hashable() -> None:
     with pytest.raises(TypeError):
         c.priority_weights["high"] = 1.0  # type: ignore[index]
     assert hash(c) == hash(SchedulerConfig())
+
+
+def test_default_timings_fence_before_a_move_and_move_within_the_node_loss_budget() -> None:
+    """The defaults' arithmetic (README "Node loss: the defaults and their arithmetic")."""
+    from controlplane.settings import ReplicaSettings
+    from node_agent.executor import fence
+    from node_agent.settings import ExecutorSettings
+
+    fields = ReplicaSettings.__dataclass_fields__
+    lease = float(fields["node_lease_ttl_s"].default)  # type: ignore[arg-type]
+    ack_window = float(fields["heartbeat_ack_requires_etcd_s"].default)  # type: ignore[arg-type]
+    grace = SchedulerConfig().node_not_ready_grace_seconds
+    ex = ExecutorSettings()
+    # safety: the old engine is gone (last ack + deadline + slack + stop grace, the last ack at most
+    # `ack_window` after the lease's last refresh) before the leader may move it (lease + grace)
+    assert ack_window + ex.disconnect_stop_s + fence.FENCE_SLACK_S + ex.stop_grace_s < lease + grace
+    assert ack_window > lease / 3  # above one refresh period, or acks would be withheld in steady state
+    # an agent restart (a few seconds) never stops its engines
+    assert ex.disconnect_stop_s >= 2 * fence.MIN_DEADLINE_S
+    # speed: a frozen agent's lease is refreshed until its last heartbeat is lease/2 old, then
+    # expires; + the grace + one scheduler tick must leave >= 2.5 s of the 20 s target for the engine
+    assert lease * 1.5 + grace + 1.0 <= 20.0 - 2.5

@@ -18,7 +18,7 @@ from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_confi
 from controlplane.scheduler.rolling import rolling_progress
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
-from controlplane.workloads import records
+from controlplane.workloads import paging, records
 from controlplane.workloads.dry_run import dry_run_plan
 from controlplane.workloads.package_checks import package_problems
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
@@ -71,7 +71,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     async def ListWorkloads(
         self, request: workload_pb2.ListWorkloadsRequest, context: Ctx, who: Identity
     ) -> workload_pb2.ListWorkloadsResponse:
-        kvs, _ = await self.store.get_prefix(keys.WORKLOADS)
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            return await self._list_page(request.page_size, request.page_token, who)
+        kvs, revision = await self.store.get_prefix(keys.WORKLOADS)
         insts = await self._instances()
         out = []
         for kv in kvs:
@@ -86,7 +89,56 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
                 )
             )
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
-        return workload_pb2.ListWorkloadsResponse(workloads=out)
+        return workload_pb2.ListWorkloadsResponse(workloads=out, revision=revision)
+
+    async def _list_page(
+        self, size: int, token_text: str, who: Identity
+    ) -> workload_pb2.ListWorkloadsResponse:
+        token = paging.PageToken.decode(token_text) if token_text else None
+        try:
+            kvs, revision, more = await self.store.get_range(
+                paging.workloads_start(token), paging.workloads_end(), size, token.revision if token else 0
+            )
+        except PermanentError as e:
+            if "compacted" in str(e) or "future revision" in str(e):
+                raise InvalidInput(
+                    "page_token: its revision was compacted away meanwhile; list again from the first page"
+                ) from e
+            raise
+        if token is not None:
+            revision = token.revision  # etcd's header names its current revision, not the one read
+        ws = [records.decode_workload(kv) for kv in kvs]
+        by_workload: dict[str, list[workload_pb2.Instance]] = {w.id: [] for w in ws}
+        if ws:
+            (ikvs, _, _), (skvs, _, _) = await asyncio.gather(
+                self.store.get_range(
+                    *paging.instance_range(keys.INSTANCES, ws[0].id, ws[-1].id), 0, revision
+                ),
+                self.store.get_range(
+                    *paging.instance_range(keys.INSTANCE_STATUS, ws[0].id, ws[-1].id), 0, revision
+                ),
+            )
+            statuses = {keys.last_segment(kv.key): decode_status(kv.value) for kv in skvs}
+            for kv in ikvs:
+                inst = records.decode_instance(kv)
+                if inst.workload_id not in by_workload:
+                    continue
+                if inst.id in statuses:
+                    overlay(inst, *statuses[inst.id])
+                by_workload[inst.workload_id].append(inst)
+        out = []
+        for w in ws:
+            ii = sorted(by_workload[w.id], key=lambda i: i.ordinal)
+            out.append(
+                workload_pb2.WorkloadSummary(
+                    workload=workload_for(who, w),
+                    instances=ii,
+                    phase=records.workload_phase(w, ii),
+                    rolling=rolling_progress(w, ii),
+                )
+            )
+        nxt = paging.PageToken(revision, ws[-1].id).encode() if more and ws else ""
+        return workload_pb2.ListWorkloadsResponse(workloads=out, next_page_token=nxt, revision=revision)
 
     @rpc
     async def GetWorkload(

@@ -33,7 +33,11 @@ from controlplane.store.backup_file import BackupHeader, read_backup, write_back
 from kunlun_common.pki import ETCD_ADMIN
 
 POLICY = RestorePolicy(
-    prefix="/kunlun/", never=keys.NEVER_RESTORED, live=keys.LIVE_MARKERS, ordered=(keys.WORKLOADS,)
+    prefix="/kunlun/",
+    never=keys.NEVER_RESTORED,
+    live=keys.LIVE_MARKERS,
+    ordered=(keys.WORKLOADS,),
+    marker=keys.RESTORING,
 )
 
 

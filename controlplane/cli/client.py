@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import grpc
 
 from controlplane.cli.config import ClientConfig
-from kunlun_common.api import cluster_pb2_grpc, workload_pb2_grpc
+from kunlun_common.api import cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.errors import KunlunError
 from kunlun_common.pki import CertPaths
 from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
@@ -45,6 +45,23 @@ class Client:
     ) -> T:
         """Call a WorkloadService method on the first replica that answers."""
         return self.call_stub(workload_pb2_grpc.WorkloadServiceStub, fn, request)
+
+    def all_workloads(self, page_size: int = 500) -> list[workload_pb2.WorkloadSummary]:
+        """Every workload, oldest first, fetched in pages read at one revision (a replica from
+        before paging answers everything in its first reply, which ends the loop too)."""
+        out: list[workload_pb2.WorkloadSummary] = []
+        token = ""
+        for _ in range(100_000):  # bounded: a page always moves forward
+            resp = self.workloads(
+                lambda s: s.ListWorkloads,
+                workload_pb2.ListWorkloadsRequest(page_size=page_size, page_token=token),
+            )
+            out.extend(resp.workloads)
+            token = resp.next_page_token
+            if not token:
+                break
+        out.sort(key=lambda s: s.workload.created_at_unix_ms)
+        return out
 
     def call_stub(
         self, stub_cls: Callable[[grpc.Channel], S], fn: Callable[[S], Callable[..., T]], request: Any

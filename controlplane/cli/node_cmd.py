@@ -101,9 +101,7 @@ def node_op(args: argparse.Namespace) -> int:
     if args.op == "drain":
         end = time.monotonic() + args.drain_timeout
         while True:
-            summaries = client.workloads(
-                lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()
-            ).workloads
+            summaries = client.all_workloads()
             left = [
                 (s.workload.spec.name, i)
                 for s in summaries

@@ -207,8 +207,7 @@ def summary_json(s: workload_pb2.WorkloadSummary) -> dict[str, Any]:
 
 
 def list_workloads(args: argparse.Namespace) -> int:
-    resp = _client(args).workloads(lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest())
-    items = [summary_json(s) for s in resp.workloads]
+    items = [summary_json(s) for s in _client(args).all_workloads()]
     if args.output == "json":
         print_json({"items": items})
         return 0
@@ -296,12 +295,7 @@ def delete(args: argparse.Namespace) -> int:
     if args.wait:
         end = time.monotonic() + 60
         while time.monotonic() < end:
-            names = {
-                s.workload.id
-                for s in client.workloads(
-                    lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()
-                ).workloads
-            }
+            names = {s.workload.id for s in client.all_workloads()}
             if resp.id not in names:
                 break
             time.sleep(0.5)

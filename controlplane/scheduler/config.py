@@ -52,8 +52,10 @@ class SchedulerConfig:
     """Devices at or above this temperature get no new work; cooler ones are derated as they heat."""
     preemption_enabled_for: tuple[str, ...] = ("high",)
     """Priority classes whose unplaceable instances may evict running lower-priority instances."""
-    node_not_ready_grace_seconds: float = 30.0
-    """Silence after which a node is marked NotReady (read by the health monitor; > 0)."""
+    node_not_ready_grace_seconds: float = 8.0
+    """Time a node stays NotReady (its lease expired, as seen by the acting leader) before its
+    instances move elsewhere (> 0). Must exceed the agents' fencing budget minus the node lease (README
+    "Node loss: the defaults and their arithmetic")."""
     device_unhealthy_grace_seconds: float = 10.0
     """Time a device may stay unhealthy before its instances are rescheduled (>= 0)."""
     pause_moves_not_ready_fraction: float = 0.5

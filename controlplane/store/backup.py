@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,9 @@ class RestorePolicy:
     """Key prefixes whose presence means replicas are running against the cluster."""
     ordered: tuple[str, ...] = ()
     """Key prefixes whose keys must keep the order and ties of their create revisions."""
+    marker: str = ""
+    """A key that exists while a restore writes (first written, deleted last): replicas wait while
+    it exists, and a later restore knows the earlier one was interrupted."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,11 @@ async def _wipe(ch: grpc.aio.Channel, policy: RestorePolicy, request_s: float) -
     await kv.DeleteRange(rpc.DeleteRangeRequest(key=policy.prefix.encode(), range_end=end), timeout=request_s)
 
 
+async def _exists(ch: grpc.aio.Channel, key: str, request_s: float) -> bool:
+    r = await rpc.KVStub(ch).Range(rpc.RangeRequest(key=key.encode(), count_only=True), timeout=request_s)
+    return int(r.count) > 0
+
+
 def creation_batches(records: list[Record], ordered: tuple[str, ...] = ()) -> list[list[Record]]:
     """The keys in the order they were created, in transactions of at most MAX_TXN_OPS puts.
 
@@ -273,6 +283,12 @@ async def restore_backup(
                 "kunlun-platform first (systemctl stop kunlun-platform), or pass --force to replace the "
                 "running cluster's state (its replicas re-elect; agents reconnect)"
             )
+        interrupted = bool(policy.marker) and await _exists(ch, policy.marker, ep_timeout)
+        if interrupted and not force:
+            raise RestoreRefused(
+                f"an earlier restore into this etcd cluster did not finish ({policy.marker} is still there): "
+                "run the restore again with --force (what it wrote is deleted first); replicas wait meanwhile"
+            )
         if count and not force:
             raise RestoreRefused(
                 f"the target etcd cluster already holds {count} keys under {policy.prefix}: restore onto a "
@@ -282,6 +298,16 @@ async def restore_backup(
         if count:
             await _wipe(ch, policy, ep_timeout)
         kv = rpc.KVStub(ch)
+        if policy.marker:
+            mark = json.dumps(
+                {
+                    "schema": 1,
+                    "started_at_ms": int(time.time() * 1000),
+                    "backup_revision": header.revision,
+                    "backup_cluster_id": header.cluster_id,
+                }
+            ).encode()
+            await kv.Put(rpc.PutRequest(key=policy.marker.encode(), value=mark), timeout=ep_timeout)
         done = 0
         for batch in creation_batches(todo, policy.ordered):
             ops = [
@@ -296,13 +322,20 @@ async def restore_backup(
             ),
             timeout=ep_timeout,
         )
-        if int(after.count) != len(todo):
+        if int(after.count) != len(todo) + (1 if policy.marker else 0):
             raise TemporaryError(
                 f"after the restore etcd holds {after.count} keys under {policy.prefix}, expected {len(todo)} "
                 "(something else wrote meanwhile?); run the restore again with --force"
             )
-        return RestoreResult(
-            len(todo), len(records) - len(todo), f"{cluster_id:x}", int(after.header.revision)
-        )
+        end_rev = int(after.header.revision)
+        if policy.marker:  # the last write: replicas may start
+            end_rev = int(
+                (
+                    await kv.DeleteRange(
+                        rpc.DeleteRangeRequest(key=policy.marker.encode()), timeout=ep_timeout
+                    )
+                ).header.revision
+            )
+        return RestoreResult(len(todo), len(records) - len(todo), f"{cluster_id:x}", end_rev)
 
     return await first_answering(target, "the restore", run)

@@ -249,6 +249,19 @@ class EtcdStore:
         )
         return [_kv(m) for m in resp.kvs], int(resp.header.revision)
 
+    async def get_range(
+        self, start: str, end: bytes, limit: int = 0, revision: int = 0
+    ) -> tuple[list[KV], int, bool]:
+        """Read keys in [start, end) at one revision (0: the current one), at most `limit` (0: no
+        limit), in key order (linearizable). Returns (kvs, header revision, more): the header names
+        the current revision even when an older one was read. A revision older than
+        etcd's compaction is refused with a PermanentError naming it. Idempotent; retried."""
+        req = rpc.RangeRequest(key=start.encode(), range_end=end, limit=limit, revision=revision)
+        resp = await self._call(
+            f"get range {start}", lambda: self._kv.Range(req, timeout=self._timeout, metadata=_METADATA)
+        )
+        return [_kv(m) for m in resp.kvs], int(resp.header.revision), bool(resp.more)
+
     async def cluster_id(self) -> int:
         """The etcd cluster's id (changes when a cluster is restored from a backup as a new one)."""
         req = rpc.RangeRequest(key=b"/kunlun/", count_only=True)  # inside the prefix RBAC lets us read

@@ -11,8 +11,9 @@ records it and the reconcile loop (idempotent, it never raises) then:
   (`<state_dir>/instances/<id>`, live supervisor found through /proc, same fingerprint in `agent.json`):
   same engine pids, never a second copy; the others are stopped and their dirs removed.
 
-Stop on disconnect: once no replica has been reached for `disconnect_stop_s` (default 20 s, below the
-scheduler's 30 s node grace, after which the instances may be placed elsewhere) every engine is
+Stop on disconnect: once no replica has been reached for `disconnect_stop_s` (default 5 s; with the
+fence slack and the stop grace below the 5 s node lease + 8 s node grace, after which the instances
+may be placed elsewhere) every engine is
 stopped (phase Stopped) and nothing starts again until assignments arrive on a new stream. The
 report sent after the reconnect carries `note` saying when and why (kept for NOTE_KEEP_S).
 
