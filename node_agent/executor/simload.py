@@ -37,7 +37,7 @@ class EngineLoad:
 
     async def _count(self, host: str, port: int) -> int | None:
         try:
-            resp = await http_request(host, port, "GET", "/get_load", timeout_s=0.5)
+            resp = await http_request(host, port, "GET", "/get_load", timeout_s=2.0)
             value = json.loads(resp.body)["requests"] if resp.status == 200 else None
         except (OSError, TimeoutError, ValueError, KeyError, TypeError, asyncio.IncompleteReadError):
             return None

@@ -19,7 +19,7 @@ from controlplane.cli.verify.common import (
     workload_evidence,
 )
 from controlplane.cli.verify.deploy import deploy, running_since
-from controlplane.cli.verify.load import quantile, run_burst
+from controlplane.cli.verify.load import MIN_BURST_S, quantile, run_burst
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from controlplane.cli.verify.sampler import Sampler, sampled_burst
 from kunlun_common.names import parse_device_name
@@ -175,7 +175,13 @@ def run(api: Api, opts: Options) -> LayerResult:
         api,
         [device],
         lambda: run_burst(
-            d.gateway, spec.name, n, min(opts.concurrency, 8), opts.burst_timeout_s, api_key=d.api_key
+            d.gateway,
+            spec.name,
+            n,
+            min(opts.concurrency, 8),
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
         ),
         during=under_load,
         not_before_ms=running_since(d.summary),

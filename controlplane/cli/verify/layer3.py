@@ -18,7 +18,7 @@ from controlplane.cli.verify.common import (
     workload_evidence,
 )
 from controlplane.cli.verify.deploy import deploy, running_since
-from controlplane.cli.verify.load import run_burst
+from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
 
@@ -76,7 +76,13 @@ def run(api: Api, opts: Options) -> LayerResult:
         api,
         placed,
         lambda: run_burst(
-            d.gateway, spec.name, opts.requests, opts.concurrency, opts.burst_timeout_s, api_key=d.api_key
+            d.gateway,
+            spec.name,
+            opts.requests,
+            opts.concurrency,
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
         ),
         not_before_ms=running_since(d.summary),
     )

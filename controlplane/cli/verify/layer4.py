@@ -8,7 +8,7 @@ from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, running, test_workload
 from controlplane.cli.verify.common import Options, foreign_holders, metrics_evidence, pct, workload_evidence
 from controlplane.cli.verify.deploy import deploy, running_since
-from controlplane.cli.verify.load import run_burst
+from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
 from kunlun_common.names import parse_device_name
@@ -62,7 +62,13 @@ def run(api: Api, opts: Options) -> LayerResult:
         api,
         served,
         lambda: run_burst(
-            d.gateway, spec.name, n, min(opts.concurrency, 8), opts.burst_timeout_s, api_key=d.api_key
+            d.gateway,
+            spec.name,
+            n,
+            min(opts.concurrency, 8),
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
         ),
         flt=FILTER,
         not_before_ms=running_since(d.summary),

@@ -91,7 +91,7 @@ STEADY_POINTS = 4
 STEADY_TOLERANCE = 1.0
 STEADY_MAX_S = 20.0
 """The wait for steady levels before a burst ends after this (the layer still runs)."""
-AFTER_S = 5.0
+AFTER_S = 6.0
 """Sampling goes on this long after a burst: telemetry shows the vendor tool's sample a few seconds
 later (the agent's sampling interval, its heartbeat, the replica's view)."""
 
