@@ -80,4 +80,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! .venv/bin/python -
   .venv/bin/python -m pip install -q -e '.[dev]'
   echo "$want" > "$stamp"
 fi
+# the message catalogs (kunlun_common/locale/*/LC_MESSAGES/kunlun.po -> .mo): build output, never committed
+.venv/bin/python scripts/i18n.py compile
+
 echo "install: ok ($(.venv/bin/python --version), $(etcd --version 2>/dev/null | sed -n 1p))"

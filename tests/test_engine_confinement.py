@@ -11,8 +11,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,17 @@ def run_engine(
     return report
 
 
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A folder on the host's real file system (not under /tmp or /dev/shm, which engines get
+    private copies of), so the read-only view and the hidden folders are what stops the engine."""
+    d = Path(tempfile.mkdtemp(prefix="kunlun-confine-", dir="/var/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def host_layout(tmp_path: Path) -> dict[str, Path]:
     """An agent's folders as on a node: certificates, state with an instance, a model, an outside folder."""
     certs = tmp_path / "certs"
@@ -156,7 +169,8 @@ def confined(paths: dict[str, Path]) -> SandboxSettings:
 
 
 @needs_root
-def test_engine_cannot_read_the_agent_key_nor_its_state(tmp_path: Path) -> None:
+def test_engine_cannot_read_the_agent_key_nor_its_state(host_dir: Path) -> None:
+    tmp_path = host_dir
     paths = host_layout(tmp_path)
     report = run_engine(
         paths["work"],
@@ -180,7 +194,8 @@ def test_engine_cannot_read_the_agent_key_nor_its_state(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_engine_cannot_write_outside_its_folders(tmp_path: Path) -> None:
+def test_engine_cannot_write_outside_its_folders(host_dir: Path) -> None:
+    tmp_path = host_dir
     paths = host_layout(tmp_path)
     targets = {
         "work": paths["work"] / "ok",
@@ -212,7 +227,8 @@ def test_engine_cannot_write_outside_its_folders(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_engine_cannot_gain_privileges(tmp_path: Path) -> None:
+def test_engine_cannot_gain_privileges(host_dir: Path) -> None:
+    tmp_path = host_dir
     paths = host_layout(tmp_path)
     suid = tmp_path / "bin"
     suid.mkdir()
@@ -241,7 +257,8 @@ def test_engine_cannot_gain_privileges(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_syscalls_outside_the_allowlist_are_refused(tmp_path: Path) -> None:
+def test_syscalls_outside_the_allowlist_are_refused(host_dir: Path) -> None:
+    tmp_path = host_dir
     paths = host_layout(tmp_path)
     nr = syscall_numbers("ptrace", "mount", "unshare", "io_uring_setup", "keyctl", "bpf", "getpid", "socket")
     clone_newuser = 0x10000000
@@ -270,7 +287,8 @@ def test_syscalls_outside_the_allowlist_are_refused(tmp_path: Path) -> None:
 
 
 @needs_root
-def test_confined_test_engine_serves(tmp_path: Path) -> None:
+def test_confined_test_engine_serves(host_dir: Path) -> None:
+    tmp_path = host_dir
     paths = host_layout(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

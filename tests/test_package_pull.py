@@ -259,8 +259,12 @@ def test_require_signed_packages_is_a_cluster_policy_enforced_on_every_node(
     assert cli("model", "trust", "add", str(pub), home=op).returncode == 0
     unsigned, ref_u = make_package(tmp_path, "unsigned")
     revoked, ref_r = make_package(tmp_path, "revoked", key=priv)
+    good_priv, good_pub, _ = make_keys(tmp_path / "keys", "good")
+    assert cli("model", "trust", "add", str(good_pub), home=op).returncode == 0  # in the cluster only
+    good, ref_g = make_package(tmp_path, "good", key=good_priv)
     push(op, unsigned)
     push(op, revoked)
+    push(op, good)
     r = cli("model", "policy", "set", "--require-signed-packages", "on", home=viewer)
     assert r.returncode == 1 and "permission denied" in r.stderr
     r = cli("model", "policy", "set", "--require-signed-packages", "on", "-o", "json", home=op)
@@ -277,6 +281,8 @@ def test_require_signed_packages_is_a_cluster_policy_enforced_on_every_node(
         submit(op, "unsigned-a", ref_u, "node-a/nvidia:2")  # the same package on each node
         submit(op, "unsigned-b", ref_u, "node-b/nvidia:2")
         submit(op, "revoked", ref_r, "node-a/nvidia:0")
+        submit(op, "good", ref_g, "node-b/nvidia:0")  # signed by a key the cluster trusts: it runs
+        wait_for(lambda: phase_is(pc, "good", "Running"), 180, "good Running under the policy")
         for name in ("unsigned-a", "unsigned-b", "revoked"):
             wait_for(lambda name=name: phase_is(pc, name, "Failed"), 180, f"{name} Failed")
         for name in ("unsigned-a", "unsigned-b"):
@@ -288,6 +294,7 @@ def test_require_signed_packages_is_a_cluster_policy_enforced_on_every_node(
         for name in ("unsigned-a", "unsigned-b", "revoked"):
             assert all(i.pid == 0 and not i.endpoint for i in instances(pc, name)), "an engine started"
             delete(op, name)
+        delete(op, "good")
     finally:
         assert cli("model", "policy", "set", "--require-signed-packages", "off", home=op).returncode == 0
 

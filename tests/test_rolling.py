@@ -154,6 +154,10 @@ def test_replicas_and_roll_settings_are_no_new_generation() -> None:
     b = workload_pb2.WorkloadSpec(name="chat", model="m", replicas=5, max_surge=2)
     assert same_engine_spec(a, b)
     assert not same_engine_spec(a, workload_pb2.WorkloadSpec(name="chat", model="m2", replicas=3))
+    # fencing reaches the engines' supervisors: a new generation (instances keep their placed spec)
+    assert not same_engine_spec(
+        a, workload_pb2.WorkloadSpec(name="chat", model="m", replicas=3, fencing="available")
+    )
 
 
 def _kv(key: str, value: bytes, rev: int) -> KV:

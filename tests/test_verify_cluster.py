@@ -68,7 +68,7 @@ def test_layers_pass_and_the_report_holds_every_checkpoint(
     # Error for a sample; start from a cluster whose devices are all Ready
     wait_for(lambda: all_ready(cluster), 120, "every device Ready")
     out = tmp_path / "report"
-    args = ["verify", "--layer", "1..2", "--report", str(out), "-o", "json", "--requests", "500"]
+    args = ["verify", "--layer", "1..4", "--report", str(out), "-o", "json", "--requests", "500"]
     r = cli(*args, *[a for f in NODE_CONFIGS for a in ("--declared", f)])
     report = json.loads(r.stdout)
     failed = [c for c in checkpoints(report).values() if c["result"] != "pass"]
@@ -92,6 +92,18 @@ def test_layers_pass_and_the_report_holds_every_checkpoint(
     layer2 = next(layer for layer in report["layers"] if layer["layer"] == 2)
     assert len(layer2["latencies_ms"]) == 100  # a fifth of --requests, every one answered
     assert max(v for s in layer2["utilization"] for _, v in s["points"]) > 35  # the burst shows
+    # layer 3: one instance per ascend card of node-a, 500 requests, a small spread
+    assert cps[(3, "instances on the node's cards")]["measured"].startswith("4 of 4 instances on node-a")
+    assert cps[(3, "burst answered without OOM or timeout")]["measured"].startswith("500/500 answered 200")
+    layer3 = next(layer for layer in report["layers"] if layer["layer"] == 3)
+    assert sorted(s["name"] for s in layer3["utilization"]) == [f"node-a/ascend:{i}" for i in range(4)]
+    # layer 4: on both cambricon cards, none on ascend, and the filtered view shows it
+    assert cps[(4, "the int8 workload lands on cambricon")]["measured"].startswith("2 of 2")
+    assert cps[(4, "none of its instances on ascend")]["measured"] == "0 on ascend"
+    shown = cps[(4, "telemetry device_type==cambricon shows the load")]
+    assert "cambricon" in shown["evidence"][0]["output"] and "ascend" not in shown["evidence"][0]["output"]
+    for pic in ("layer3-utilization.svg", "layer4-utilization.svg", "layer3-latency.svg"):
+        assert (out / pic).exists(), pic
     assert no_verify_workloads(cluster)
     assert any("deleted" in line for line in report["cleanup"])
 
@@ -106,6 +118,11 @@ def test_a_card_serving_another_workload_is_refused(cluster: LocalCluster, cli: 
     assert refused["result"] == "fail" and "tenant" in refused["measured"]
     assert "tenant" in refused["evidence"][0]["output"]
     assert list(cps) == [(2, "the card is free")]  # nothing was deployed or measured
+    # layer 4 needs every cambricon card: refused too
+    r4 = cli("verify", "--layer", "4", "-o", "json")
+    assert r4.returncode == 1, r4.stderr
+    refused4 = checkpoints(json.loads(r4.stdout))[(4, "the cambricon cards are free")]
+    assert refused4["result"] == "fail" and "node-b/cambricon:1 held by tenant" in refused4["measured"]
     assert no_verify_workloads(cluster)
     assert get(cluster, "tenant").instances[0].target_devices == ["node-b/cambricon:1"]  # untouched
 

@@ -12,6 +12,7 @@ from typing import Any, NoReturn, TypeAlias
 import grpc
 import structlog
 
+from kunlun_common.messages import Message, msg
 from kunlun_common.tls import Identity, peer_identity
 
 log = structlog.get_logger("auth")
@@ -79,8 +80,11 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-async def _abort(context: Ctx, code: grpc.StatusCode, msg: str) -> NoReturn:
-    await context.abort(code, msg)
+async def _abort(context: Ctx, code: grpc.StatusCode, text: str | Message) -> NoReturn:
+    """Abort with `text` as the details; a Message also travels with its id in the trailing
+    metadata (kunlun_common/messages.py), for clients that show it in their reader's language."""
+    metadata = text.to_metadata() if isinstance(text, Message) else ()
+    await context.abort(code, str(text), metadata)
     raise AssertionError("unreachable")  # context.abort raises
 
 
@@ -92,7 +96,7 @@ async def authorize(context: Ctx, method: str) -> Identity:
         await _abort(
             context,
             grpc.StatusCode.UNAUTHENTICATED,
-            "a client certificate signed by the cluster CA is required",
+            msg("auth.no_certificate", "a client certificate signed by the cluster CA is required"),
         )
     allowed = PERMISSIONS.get(method, ())
     if ident.role not in allowed:
@@ -100,11 +104,17 @@ async def authorize(context: Ctx, method: str) -> Identity:
         await _abort(
             context,
             grpc.StatusCode.PERMISSION_DENIED,
-            f"{ident} may not call {method.rsplit('/', 1)[-1]} (allowed roles: {', '.join(allowed) or 'none'})",
+            msg(
+                "auth.role_refused",
+                "{identity} may not call {method} (allowed roles: {roles})",
+                identity=str(ident),
+                method=method.rsplit("/", 1)[-1],
+                roles=", ".join(allowed) or "none",
+            ),
         )
     return ident
 
 
-async def abort(context: Ctx, code: grpc.StatusCode, msg: str) -> NoReturn:
-    """Abort the call with a clear message."""
-    await _abort(context, code, msg)
+async def abort(context: Ctx, code: grpc.StatusCode, text: str | Message) -> NoReturn:
+    """Abort the call with a clear message (with its id when it is a Message)."""
+    await _abort(context, code, text)

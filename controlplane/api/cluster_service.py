@@ -11,6 +11,7 @@ from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
 from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 from kunlun_common.tls import Identity
 
@@ -35,7 +36,9 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
                 continue
             devices.extend(n.devices)
         if request.node and not any(n.name == request.node for n in nodes):
-            raise NotFoundError(f"node {request.node!r} is not registered")
+            raise NotFoundError(
+                msg("node.not_registered_short", "node {node!r} is not registered", node=request.node)
+            )
         return cluster_pb2.ListDevicesResponse(devices=devices)
 
     @rpc
@@ -53,7 +56,13 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
                     node.CopyFrom(n)
                     del node.devices[:]
                     return cluster_pb2.DescribeDeviceResponse(device=d, node=node)
-        raise NotFoundError(f"device {request.name!r} not found; see `kunlun-cli device list`")
+        raise NotFoundError(
+            msg(
+                "device.not_found",
+                "device {name!r} not found; see `kunlun-cli device list`",
+                name=request.name,
+            )
+        )
 
     @rpc
     async def ListNodes(

@@ -34,6 +34,7 @@ from controlplane.workloads import records
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, PermanentError, PermissionRefused
+from kunlun_common.messages import msg
 from kunlun_common.states import InstancePhase
 from kunlun_common.tls import Identity
 
@@ -127,9 +128,19 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.GatewayHeartbeatResponse:
         info = request.info
         if info.name != who.name:
-            raise PermissionRefused(f"{who} may register only as {who.name!r}, not {info.name!r}")
+            raise PermissionRefused(
+                msg(
+                    "gateway.name_refused",
+                    "{who} may register only as {own!r}, not {name!r}",
+                    who=str(who),
+                    own=who.name,
+                    name=info.name,
+                )
+            )
         if not _GATEWAY_NAME_RE.match(info.name):
-            raise InvalidInput(f"name: {info.name!r} is not a valid name")
+            raise InvalidInput(
+                msg("gateway.name_invalid", "name: {name!r} is not a valid name", name=info.name)
+            )
         ttl = min(60, max(3, request.ttl_s or 10))
         if request.lease and await self._granted_to(info.name, request.lease):
             try:

@@ -17,6 +17,7 @@ from controlplane.api.rpc import Servicer, rpc
 from controlplane.feeds import Feeds
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
 from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.messages import msg
 from kunlun_common.names import valid_node_name
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
@@ -39,10 +40,21 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
     ) -> agent_pb2.EnginesResponse:
         if not valid_node_name(request.node):
             raise InvalidInput(
-                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')"
+                msg(
+                    "node.name_invalid",
+                    "node: {node!r} is not a valid node name (lowercase letters, digits, '-')",
+                    node=request.node,
+                )
             )
         if not 0 <= request.tail <= MAX_TAIL:
-            raise InvalidInput(f"tail: expected 0..{MAX_TAIL}, found {request.tail}")
+            raise InvalidInput(
+                msg(
+                    "ledger.tail_range",
+                    "tail: expected 0..{max}, found {found}",
+                    max=MAX_TAIL,
+                    found=request.tail,
+                )
+            )
         resp: agent_pb2.EnginesResponse = await self._call(
             request.node, context, lambda stub: stub.Engines(request, timeout=CALL_TIMEOUT_S)
         )
@@ -54,7 +66,11 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
     ) -> agent_pb2.ToolReadingResponse:
         if not valid_node_name(request.node):
             raise InvalidInput(
-                f"node: {request.node!r} is not a valid node name (lowercase letters, digits, '-')"
+                msg(
+                    "node.name_invalid",
+                    "node: {node!r} is not a valid node name (lowercase letters, digits, '-')",
+                    node=request.node,
+                )
             )
         resp: agent_pb2.ToolReadingResponse = await self._call(
             request.node, context, lambda stub: stub.ToolReading(request, timeout=TOOL_TIMEOUT_S)
@@ -68,7 +84,11 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
         address = self.feeds.node_service(node)
         if not address:
             raise NotFoundError(
-                f"node {node} is unknown or does not serve its NodeService (agent not registered)"
+                msg(
+                    "node.no_node_service",
+                    "node {node} is unknown or does not serve its NodeService (agent not registered)",
+                    node=node,
+                )
             )
         async with grpc.aio.secure_channel(
             address,

@@ -7,7 +7,9 @@
    the caller's identity as its third argument;
 2. map the domain errors the handler (or the domain modules it calls) raises to gRPC status codes,
    once, with `STATUS_OF` below; the message goes to the client unchanged, so it names the field
-   and the fix. Anything else propagates (gRPC answers UNKNOWN and logs it), and so does an abort
+   and the fix. An error raised with a `Message` (`raise NotFoundError(msg("id", "template", ...))`)
+   also sends its stable id and values in the trailing metadata, which kunlun-cli shows in its
+   reader's language (kunlun_common/messages.py); the details stay the English text. Anything else propagates (gRPC answers UNKNOWN and logs it), and so does an abort
    the handler made itself.
 
 Every unary call is also timed and counted by method and final status code through the servicer's
@@ -35,6 +37,7 @@ from kunlun_common.errors import (
     ConcurrentChange,
     ConfigError,
     InvalidInput,
+    KunlunError,
     NotFoundError,
     PermanentError,
     PermissionRefused,
@@ -70,7 +73,8 @@ async def fail(context: Ctx, e: Exception) -> NoReturn:
     code = status_of(e)
     if code is None:
         raise e
-    await abort(context, code, str(e))
+    localizable = e.localizable if isinstance(e, KunlunError) else None
+    await abort(context, code, localizable if localizable is not None else str(e))
 
 
 class Servicer:

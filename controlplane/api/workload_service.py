@@ -25,6 +25,7 @@ from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
@@ -168,7 +169,14 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         self, request: workload_pb2.ScaleWorkloadRequest, context: Ctx, who: Identity
     ) -> workload_pb2.SubmitWorkloadResponse:
         if not 0 <= request.replicas <= MAX_REPLICAS:
-            raise InvalidInput(f"replicas: expected 0..{MAX_REPLICAS}, found {request.replicas}")
+            raise InvalidInput(
+                msg(
+                    "workload.replicas_range",
+                    "replicas: expected 0..{max}, found {found}",
+                    max=MAX_REPLICAS,
+                    found=request.replicas,
+                )
+            )
         w = await records.update(
             self.store, request.name, scaled_to(request.replicas), str(who), replicas=request.replicas
         )
@@ -237,12 +245,32 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         insts = sorted(insts, key=lambda i: (i.variant != "", i.retiring, -i.generation))
         inst = next((i for i in insts if i.ordinal == request.instance), None)
         if inst is None:
-            raise NotFoundError(f"workload {request.name} has no instance {request.instance}")
+            raise NotFoundError(
+                msg(
+                    "workload.no_instance",
+                    "workload {name} has no instance {instance}",
+                    name=request.name,
+                    instance=request.instance,
+                )
+            )
         if not inst.node:
-            raise PermanentError(f"instance {inst.id} is not placed on a node yet ({inst.reason})")
+            raise PermanentError(
+                msg(
+                    "instance.not_placed",
+                    "instance {instance} is not placed on a node yet ({reason})",
+                    instance=inst.id,
+                    reason=inst.reason,
+                )
+            )
         address = self.feeds.node_service(inst.node)
         if not address:
-            raise TemporaryError(f"node {inst.node} does not serve logs (agent too old or not connected)")
+            raise TemporaryError(
+                msg(
+                    "node.no_logs",
+                    "node {node} does not serve logs (agent too old or not connected)",
+                    node=inst.node,
+                )
+            )
         # the agent's NodeService must present the certificate of this node (cluster CA, the node's
         # name in its SANs): the name checked is the node's, not the address's
         creds = channel_credentials(self.tls, server_role="agent")

@@ -10,6 +10,8 @@ import grpc
 from controlplane.cli.config import ClientConfig
 from kunlun_common.api import cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.errors import KunlunError
+from kunlun_common.i18n import _, localize
+from kunlun_common.messages import from_metadata
 from kunlun_common.pki import CertPaths
 from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
 
@@ -51,7 +53,7 @@ class Client:
         before paging answers everything in its first reply, which ends the loop too)."""
         out: list[workload_pb2.WorkloadSummary] = []
         token = ""
-        for _ in range(100_000):  # bounded: a page always moves forward
+        for _page in range(100_000):  # bounded: a page always moves forward
             resp = self.workloads(
                 lambda s: s.ListWorkloads,
                 workload_pb2.ListWorkloadsRequest(page_size=page_size, page_token=token),
@@ -77,21 +79,53 @@ class Client:
                     return result
                 except grpc.RpcError as e:
                     code = e.code()
-                    detail = e.details() or code.name
+                    detail = server_message(e)
                     if code in _FAILOVER:
                         errors.append(f"{ep}: {_short(detail)}")
                         continue
-                    raise CliError(f"{ep}: {code.name.lower().replace('_', ' ')}: {detail}") from None
+                    raise CliError(f"{ep}: {status_text(code)}: {detail}") from None
         raise CliError(
-            "no replica answered (" + "; ".join(errors) + "); check that the cluster runs (`make demo`) "
-            "and that the endpoints in your client config are right"
+            _(
+                "no replica answered ({errors}); check that the cluster runs (`make demo`) "
+                "and that the endpoints in your client config are right"
+            ).format(errors="; ".join(errors))
         )
+
+
+def server_message(e: grpc.RpcError) -> str:
+    """A replica's error text in the reader's language: the translation of the message id it sent
+    in its trailing metadata (kunlun_common/messages.py), else its English details as sent."""
+    code = e.code()
+    detail: str = e.details() or code.name
+    try:
+        m = from_metadata(e.trailing_metadata())
+    except Exception:  # a channel-level error carries no usable metadata
+        m = None
+    return detail if m is None else localize(m, english=detail)
+
+
+def status_text(code: grpc.StatusCode) -> str:
+    """The status code as words, e.g. "not found" (translated: it prefixes the message)."""
+    words = {
+        grpc.StatusCode.INVALID_ARGUMENT: _("invalid argument"),
+        grpc.StatusCode.NOT_FOUND: _("not found"),
+        grpc.StatusCode.PERMISSION_DENIED: _("permission denied"),
+        grpc.StatusCode.UNAUTHENTICATED: _("unauthenticated"),
+        grpc.StatusCode.FAILED_PRECONDITION: _("failed precondition"),
+        grpc.StatusCode.ABORTED: _("aborted"),
+        grpc.StatusCode.ALREADY_EXISTS: _("already exists"),
+        grpc.StatusCode.RESOURCE_EXHAUSTED: _("resource exhausted"),
+        grpc.StatusCode.UNIMPLEMENTED: _("unimplemented"),
+        grpc.StatusCode.INTERNAL: _("internal"),
+        grpc.StatusCode.UNKNOWN: _("unknown"),
+    }
+    return words.get(code) or str(code.name).lower().replace("_", " ")
 
 
 def _short(detail: str) -> str:
     d = detail.replace("\n", " ")
     if "failed to connect to all addresses" in d or "Connection refused" in d:
-        return "connection refused"
+        return _("connection refused")
     if "Deadline Exceeded" in d:
-        return "no answer within the deadline"
+        return _("no answer within the deadline")
     return d[:160]

@@ -30,7 +30,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--trusted-key", action="append", default=[], help="a trusted public key (.pub), repeatable"
     )
-    v.add_argument("--trust-dir", help=f"folder of trusted *.pub (default {default_trust_dir()})")
+    v.add_argument(
+        "--trust-dir", help="folder of trusted *.pub (default: trusted-keys/ beside the client config)"
+    )
     v.set_defaults(handler=declaration_verify)
 
 

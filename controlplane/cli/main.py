@@ -28,8 +28,10 @@ from controlplane.cli import (
 )
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig, default_path, load_client_config
+from controlplane.cli.localize import localized
 from controlplane.cli.verify import command as verify_cmd
 from kunlun_common.errors import ConfigError, KunlunError
+from kunlun_common.i18n import _, localize
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -38,14 +40,19 @@ def make_client(args: argparse.Namespace) -> Client:
     path = Path(args.config) if args.config else default_path()
     if args.endpoints and not path.exists():
         raise CliError(
-            f"client config {path} does not exist; it names the certificates (run `make demo` or write it)"
+            _(
+                "client config {path} does not exist; it names the certificates (run `make demo` or write it)"
+            ).format(path=path)
         )
     try:
         cfg = load_client_config(path)
     except ConfigError as e:
         if not path.exists():
             raise CliError(
-                f"no client config at {path}: run `make demo` (which writes it), set KUNLUN_CONFIG, or pass --config"
+                _(
+                    "no client config at {path}: run `make demo` (which writes it), set KUNLUN_CONFIG, "
+                    "or pass --config"
+                ).format(path=path)
             ) from None
         raise CliError(str(e)) from None
     if args.endpoints:
@@ -99,13 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    parser = localized(build_parser)  # help and messages in the reader's language (LANG=zh_CN...)
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
         code = handler(args)
     except (CliError, KunlunError) as e:
-        print(f"kunlun-cli: {e}", file=sys.stderr)
+        text = str(e) if e.localizable is None else localize(e.localizable)
+        print(f"kunlun-cli: {text}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130

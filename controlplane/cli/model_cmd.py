@@ -47,7 +47,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         "keygen", help="make an Ed25519 signing key pair (NAME.key, NAME.pub)", parents=[common]
     )
     k.add_argument("--name", default="signing", help="file name stem (default signing)")
-    k.add_argument("--dir", help=f"where to write the keys (default {default_key_dir()})")
+    k.add_argument("--dir", help="where to write the keys (default: keys/ beside the client config)")
     k.set_defaults(handler=model_keygen)
     p = msub.add_parser("pack", help="pack a model folder into a signed .kunlunpkg", parents=[common])
     p.add_argument("--model", required=True, help="the model folder (config.json, tokenizer, weights)")
@@ -70,7 +70,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--trusted-key", action="append", default=[], help="a trusted public key (.pub), repeatable"
     )
-    v.add_argument("--trust-dir", help=f"folder of trusted *.pub (default {default_trust_dir()})")
+    v.add_argument(
+        "--trust-dir", help="folder of trusted *.pub (default: trusted-keys/ beside the client config)"
+    )
     v.add_argument("--allow-unsigned", action="store_true", help="accept a package without manifest.sig")
     v.add_argument("--quiet", action="store_true", help="no progress on stderr")
     v.set_defaults(handler=model_verify)

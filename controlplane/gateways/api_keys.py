@@ -11,6 +11,7 @@ from controlplane.store import EtcdStore
 from kunlun_common.api import gateway_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConcurrentChange, InvalidInput, NotFoundError
+from kunlun_common.messages import msg
 from kunlun_common.traffic import key_hash
 
 KEY_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -37,7 +38,13 @@ def valid_hash(rec: dict[str, object]) -> str:
 async def create(store: EtcdStore, name: str, who: str) -> tuple[gateway_pb2.ApiKey, str]:
     """A new key named `name`: (its record, the secret, which is never stored)."""
     if not KEY_NAME_RE.match(name):
-        raise InvalidInput(f"name: {name!r} is not valid; use letters, digits, '.', '_' and '-', at most 63")
+        raise InvalidInput(
+            msg(
+                "apikey.name_invalid",
+                "name: {name!r} is not valid; use letters, digits, '.', '_' and '-', at most 63",
+                name=name,
+            )
+        )
     for _ in range(ID_ATTEMPTS):
         kid = secrets.token_hex(4)
         secret = f"kl-{kid}-{secrets.token_urlsafe(32)}"
@@ -54,7 +61,7 @@ async def create(store: EtcdStore, name: str, who: str) -> tuple[gateway_pb2.Api
         res = await store.create(keys.gateway_key(kid), keys.encode(rec))
         if res.succeeded:
             return api_key_message(rec), secret
-    raise ConcurrentChange("could not pick a free key id; try again")
+    raise ConcurrentChange(msg("apikey.id_busy", "could not pick a free key id; try again"))
 
 
 async def records(store: EtcdStore) -> list[tuple[str, dict[str, object]]]:
@@ -77,10 +84,20 @@ async def revoke(store: EtcdStore, id_or_name: str, who: str) -> gateway_pb2.Api
     if not found:
         found = [(k, r) for k, r in recs if r.get("name") == id_or_name and not r.get("revoked_at_ms")]
     if not found:
-        raise NotFoundError(f"no API key {id_or_name!r}; see `kunlun-cli gateway keys list`")
+        raise NotFoundError(
+            msg("apikey.not_found", "no API key {key!r}; see `kunlun-cli gateway keys list`", key=id_or_name)
+        )
     if len(found) > 1:
         ids = ", ".join(str(r.get("id")) for _, r in found)
-        raise InvalidInput(f"{len(found)} valid keys are named {id_or_name!r} ({ids}); revoke by id")
+        raise InvalidInput(
+            msg(
+                "apikey.ambiguous",
+                "{count} valid keys are named {name!r} ({ids}); revoke by id",
+                count=len(found),
+                name=id_or_name,
+                ids=ids,
+            )
+        )
     key, rec = found[0]
     if not rec.get("revoked_at_ms"):
         rec = {**rec, "revoked_by": who, "revoked_at_ms": now_ms()}

@@ -19,6 +19,7 @@ from controlplane.workloads.spec import NAME_RE
 from kunlun_common.api import gateway_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.messages import msg
 
 MAX_SCHEMA_BYTES = 64 * 1024
 """Largest schema text: gateways validate every request against it on their event loop."""
@@ -66,7 +67,11 @@ async def put(store: EtcdStore, ep: gateway_pb2.RequestEndpoint, who: str) -> ga
         raise InvalidInput(found[0])
     if await store.get(keys.workload_name(ep.workload)) is None:
         raise NotFoundError(
-            f"workload: {ep.workload!r} does not exist (submit it first: kunlun-cli workload submit)"
+            msg(
+                "endpoint.workload_missing",
+                "workload: {workload!r} does not exist (submit it first: kunlun-cli workload submit)",
+                workload=ep.workload,
+            )
         )
     old = await get(store, ep.name, missing_ok=True)
     rec = gateway_pb2.RequestEndpoint()
@@ -83,7 +88,9 @@ async def get(store: EtcdStore, name: str, missing_ok: bool = False) -> gateway_
     if kv is None:
         if missing_ok:
             return None
-        raise NotFoundError(f"endpoint {name!r} not found (kunlun-cli endpoint list)")
+        raise NotFoundError(
+            msg("endpoint.not_found", "endpoint {name!r} not found (kunlun-cli endpoint list)", name=name)
+        )
     return decode(kv.value)
 
 

@@ -10,6 +10,7 @@ from controlplane.workloads.spec import same_engine_spec, spec_json
 from kunlun_common.api import workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import NotFoundError, PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.states import PLACED, InstancePhase, WorkloadChange, WorkloadPhase
 
 
@@ -68,7 +69,13 @@ async def resolve(store: EtcdStore, name_or_id: str) -> tuple[workload_pb2.Workl
         if ref is not None:
             kv = await store.get(keys.workload(str(keys.decode(ref.value)["id"])))
     if kv is None:
-        raise NotFound(f"workload {name_or_id!r} not found; see `kunlun-cli workload list`")
+        raise NotFound(
+            msg(
+                "workload.not_found",
+                "workload {name!r} not found; see `kunlun-cli workload list`",
+                name=name_or_id,
+            )
+        )
     return decode_workload(kv), kv
 
 
@@ -103,7 +110,13 @@ async def submit(
             continue
         w, kv = await resolve(store, str(keys.decode(ref.value)["id"]))
         if w.deleting:
-            raise PermanentError(f"workload {spec.name!r} is being deleted; submit again once it is gone")
+            raise PermanentError(
+                msg(
+                    "workload.being_deleted",
+                    "workload {name!r} is being deleted; submit again once it is gone",
+                    name=spec.name,
+                )
+            )
         if spec_json(w.spec) == spec_json(spec):
             return w, "unchanged"
         new_generation = not same_engine_spec(w.spec, spec)
@@ -156,7 +169,13 @@ async def update(
 async def cordon(store: EtcdStore, node: str, cordon: bool, drain: bool, who: str) -> bool:
     """Record a node's cordon (and drain) goal state; returns whether it is cordoned now."""
     if await store.get(keys.node(node)) is None:
-        raise NotFoundError(f"node {node!r} is not registered; see `kunlun-cli node list`")
+        raise NotFoundError(
+            msg(
+                "node.not_registered",
+                "node {node!r} is not registered; see `kunlun-cli node list`",
+                node=node,
+            )
+        )
     cordoned = cordon or drain
     record = {"cordoned": cordoned, "drain": drain, "by": who, "at_ms": now_ms()}
     await store.put(keys.cordon(node), keys.encode(record))

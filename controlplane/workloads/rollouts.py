@@ -15,6 +15,7 @@ from controlplane.workloads import records
 from kunlun_common.api import rollout_pb2, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConcurrentChange, InvalidInput, NotFoundError, PermanentError
+from kunlun_common.messages import msg
 from kunlun_common.states import RolloutPhase
 
 MAX_CAS_ATTEMPTS = 5
@@ -54,7 +55,7 @@ async def get(store: EtcdStore, name: str) -> tuple[workload_pb2.Workload, rollo
     w, _ = await records.resolve(store, name)
     kv = await store.get(keys.rollout(w.id))
     if kv is None:
-        raise NotFoundError(f"workload {name!r} has no rollout")
+        raise NotFoundError(msg("rollout.none", "workload {name!r} has no rollout", name=name))
     return w, decode_rollout(kv), kv
 
 
@@ -73,10 +74,16 @@ async def create(store: EtcdStore, spec: rollout_pb2.RolloutSpec, who: str) -> r
     stats_kvs, _ = await store.get_prefix(keys.GATEWAY_STATS)
     if old is not None and decode_rollout(old).phase == RolloutPhase.PROGRESSING:
         raise PermanentError(
-            f"workload {w.spec.name!r} already has a rollout in progress; promote or abort it"
+            msg(
+                "rollout.in_progress",
+                "workload {name!r} already has a rollout in progress; promote or abort it",
+                name=w.spec.name,
+            )
         )
     if spec.model == w.spec.model:
-        raise InvalidInput(f"model: the workload already serves {spec.model}")
+        raise InvalidInput(
+            msg("rollout.same_model", "model: the workload already serves {model}", model=spec.model)
+        )
     at = now_ms()
     r = rollout_pb2.Rollout(
         workload_id=w.id,
@@ -98,7 +105,7 @@ async def create(store: EtcdStore, spec: rollout_pb2.RolloutSpec, who: str) -> r
     cmp = Compare.unchanged(old.key, old.mod_revision) if old else Compare.absent(keys.rollout(w.id))
     res = await store.txn([cmp], [PutOp(keys.rollout(w.id), keys.encode_message(r))])
     if not res.succeeded:
-        raise ConcurrentChange("the rollout changed concurrently; retry")
+        raise ConcurrentChange(msg("rollout.concurrent", "the rollout changed concurrently; retry"))
     return r
 
 
@@ -107,7 +114,7 @@ async def request(store: EtcdStore, name: str, *, promote: bool) -> rollout_pb2.
     for _ in range(MAX_CAS_ATTEMPTS):
         _, r, kv = await get(store, name)
         if r.phase != RolloutPhase.PROGRESSING:
-            raise PermanentError(f"the rollout is {r.phase}")
+            raise PermanentError(msg("rollout.phase", "the rollout is {phase}", phase=r.phase))
         if promote:
             r.promotions_requested += 1
         else:
@@ -117,4 +124,4 @@ async def request(store: EtcdStore, name: str, *, promote: bool) -> rollout_pb2.
         )
         if res.succeeded:
             return r
-    raise ConcurrentChange("the rollout changed concurrently; retry")
+    raise ConcurrentChange(msg("rollout.concurrent", "the rollout changed concurrently; retry"))

@@ -207,6 +207,7 @@ def spec_json(spec: workload_pb2.WorkloadSpec) -> dict[str, Any]:
         "engine_args": list(spec.engine_args),
         "env": dict(spec.env),
         "package": spec.package,
+        "fencing": spec.fencing,
         "max_surge": spec.max_surge if spec.HasField("max_surge") else None,
         "max_unavailable": spec.max_unavailable if spec.HasField("max_unavailable") else None,
     }

@@ -76,6 +76,7 @@ class PackageCache:
         """The verified, unpacked package `ref`, pulled first when the node lacks it.
 
         Raises PackageRefused (permanent), PullFailed or CacheFull (retry later)."""
+        packages.check_ref(ref)
         hexd = ref.rsplit(":", 1)[-1]
         lock = self._locks.setdefault(hexd, asyncio.Lock())
         async with lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from kunlun_common.modelpkg import PackageError, TrustedKeys, read_head, verify_
 from kunlun_common.modelpkg.manifest import CACHE_DIR, MODEL_DIR
 
 MARKER = ".verified"
+REF_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?@sha256:[0-9a-f]{64}$")
+"""NAME@sha256:HEX, as the control plane validates it at submit (checked again: it names files here)."""
 
 
 class PackageRefused(Exception):
@@ -56,8 +59,15 @@ def find(root: Path, name: str, digest: str) -> Path:
     )
 
 
+def check_ref(ref: str) -> None:
+    """PackageRefused unless `ref` is NAME@sha256:HEX."""
+    if not REF_RE.match(ref):
+        raise PackageRefused(f"package: {ref[:80]!r} is not NAME@sha256:DIGEST")
+
+
 def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: bool) -> Unpacked:
     """The unpacked, verified package `NAME@sha256:HEX` (blocking: run in a thread)."""
+    check_ref(ref)
     name, _, digest = ref.partition("@")
     dest = root / "unpacked" / digest.removeprefix("sha256:")
     marker = dest / MARKER

@@ -15,7 +15,7 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
-from controlplane.cli.verify import layer1, layer2, report
+from controlplane.cli.verify import layer1, layer2, layer3, layer4, report
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
@@ -31,7 +31,7 @@ TITLES = {
 
 
 def layer_functions() -> dict[int, LayerFn]:
-    return {1: layer1.run, 2: layer2.run}
+    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run}
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -75,3 +75,12 @@ def deploy(api: Api, spec: workload_pb2.WorkloadSpec, timeout_s: float) -> Deplo
             )
         time.sleep(0.5)
     return Deployed(summary, address, key, ready_s)
+
+
+SAMPLE_MARGIN_MS = 1500
+"""After an engine turns Running its chips' usage is written and the next tool sample shows it."""
+
+
+def running_since(summary: workload_pb2.WorkloadSummary) -> int:
+    """Milliseconds since the epoch after which the tool's samples show every instance Running."""
+    return max((i.ready_at_unix_ms for i in summary.instances), default=0) + SAMPLE_MARGIN_MS

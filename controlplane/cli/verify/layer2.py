@@ -4,7 +4,6 @@ the vendor tool's own reading taken at the same moment."""
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -19,10 +18,10 @@ from controlplane.cli.verify.common import (
     text_table,
     workload_evidence,
 )
-from controlplane.cli.verify.deploy import deploy
-from controlplane.cli.verify.load import BurstResult, quantile, run_burst
+from controlplane.cli.verify.deploy import deploy, running_since
+from controlplane.cli.verify.load import MIN_BURST_S, quantile, run_burst
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
-from controlplane.cli.verify.sampler import Sampler
+from controlplane.cli.verify.sampler import Sampler, sampled_burst
 from kunlun_common.names import parse_device_name
 
 PREPARE_LIMIT_S = 60.0
@@ -165,35 +164,33 @@ def run(api: Api, opts: Options) -> LayerResult:
         evidence(f"POST http://{d.gateway}/v1/chat/completions (stream) x5", stream.summary()),
     )
     n = max(1, opts.requests // 5)
-    with Sampler(api, [device]) as sampler:
-        time.sleep(SETTLE_S)
-        idle = sampler.values(device)
-        t0 = sampler.mark("burst start")
-        result: list[BurstResult] = []
-        burst = threading.Thread(
-            target=lambda: result.append(
-                run_burst(
-                    d.gateway, spec.name, n, min(opts.concurrency, 8), opts.burst_timeout_s, api_key=d.api_key
-                )
-            ),
-            name="verify-burst",
-        )
-        burst.start()
-        pairs: list[Pair] = []
+    pairs: list[Pair] = []
+
+    def under_load(sampler: Sampler) -> None:
         time.sleep(1.0)
-        while burst.is_alive() and len(pairs) < MAX_PAIRS // 2:  # under load
+        while len(pairs) < MAX_PAIRS // 2 and sampler.now() < sampler.marks[-1][0] + 30:
             pairs.append(compare_with_tool(api, device))
-        burst.join()
-        t1 = sampler.mark("burst end")
-        while len(pairs) < MAX_PAIRS and not any(p.matched and _agree(p) for p in pairs):
-            pairs.append(compare_with_tool(api, device))
-        time.sleep(SETTLE_S)
-    r.utilization, r.marks = list(sampler.series.values()), sampler.marks
-    b = result[0] if result else BurstResult(errors=["the burst did not finish"])
-    r.latencies_ms = b.latencies_ms
-    during = sampler.values(device, t0, t1 + SETTLE_S)
-    before = max(idle, default=0.0)
-    peak = max(during, default=0.0)
+
+    sb = sampled_burst(
+        api,
+        [device],
+        lambda: run_burst(
+            d.gateway,
+            spec.name,
+            n,
+            min(opts.concurrency, 8),
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
+        ),
+        during=under_load,
+        not_before_ms=running_since(d.summary),
+    )
+    while len(pairs) < MAX_PAIRS and not any(p.matched and _agree(p) for p in pairs):
+        pairs.append(compare_with_tool(api, device))
+    b, sampler = sb.result, sb.sampler
+    r.utilization, r.marks, r.latencies_ms = list(sampler.series.values()), sampler.marks, b.latencies_ms
+    before, peak = sb.before[device], sb.peak(device)
     r.add(
         "utilization peak during the burst",
         f"{pct(peak)} (before the burst {pct(before)}); burst: {b.summary()}",
@@ -203,7 +200,7 @@ def run(api: Api, opts: Options) -> LayerResult:
             f"POST http://{d.gateway}/v1/chat/completions x{n}, {min(opts.concurrency, 8)} concurrent",
             b.summary() + "\n" + "\n".join(b.errors),
         ),
-        metrics_evidence(api.metrics(f"device=={device}"), f"device=={device}"),
+        metrics_evidence(sampler.busiest, sampler.flt),
     )
     matched = [p for p in pairs if p.matched]
     best = min(matched, key=lambda p: abs(p.platform - p.tool), default=None)

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 
 import httptools
 
+MIN_BURST_S = 6.0
+"""The layers' bursts are spread over at least this long: tools sample about every second and the
+platform shows a sample a few seconds later, so a burst of a fraction of a second could go unseen."""
+
 
 @dataclass
 class BurstResult:
@@ -147,8 +151,11 @@ async def burst(
     request_timeout_s: float = 10.0,
     api_key: str = "",
     stream: bool = False,
+    min_duration_s: float = 0.0,
 ) -> BurstResult:
-    """Send `requests` chat completions for `model` through the gateway at `address`."""
+    """Send `requests` chat completions for `model` through the gateway at `address`; with
+    `min_duration_s` request k starts no earlier than k/requests of it (spread so that a tool that
+    samples every second or so sees the load)."""
     result = BurstResult()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     next_index = 0
@@ -160,7 +167,11 @@ async def burst(
         conn = Connection(address)
         try:
             while next_index < requests and time.monotonic() < stop_at:
+                k = next_index
                 next_index += 1
+                wait = started + k * min_duration_s / requests - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(min(wait, max(0.0, stop_at - time.monotonic())))
                 result.sent += 1
                 budget = max(0.1, min(request_timeout_s, stop_at - time.monotonic()))
                 try:

@@ -1,0 +1,133 @@
+"""Layer 3, several cards and load balance: one test instance per free card of one type on a node, a
+bounded burst through a gateway (like `wrk -c 32 -n 1000`), the spread of the cards' utilization
+during it, and no OOM, timeout, failed request or engine restart."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from controlplane.cli.client import CliError
+from controlplane.cli.verify.api import Api, running, test_workload
+from controlplane.cli.verify.common import (
+    Options,
+    foreign_holders,
+    metrics_evidence,
+    pct,
+    text_table,
+    workload_evidence,
+)
+from controlplane.cli.verify.deploy import deploy, running_since
+from controlplane.cli.verify.load import MIN_BURST_S, run_burst
+from controlplane.cli.verify.model import LayerResult, evidence
+from controlplane.cli.verify.sampler import sampled_burst
+
+STDDEV_LIMIT_PCT = 15.0
+
+
+def choose_cards(api: Api, opts: Options) -> tuple[str, str, list[str]]:
+    """(node, device type, its Ready cards): `--node`, else the node with most Ready cards of a type."""
+    rows = [m for m in api.metrics() if m.status == "Ready"]
+    groups: Counter[tuple[str, str]] = Counter((m.node, m.device_type) for m in rows)
+    if opts.node:
+        groups = Counter({k: v for k, v in groups.items() if k[0] == opts.node})
+        if not groups:
+            raise CliError(f"--node {opts.node}: no Ready card on that node (`kunlun-cli device list`)")
+    if not groups:
+        raise CliError("no Ready card in the cluster (`kunlun-cli device list`)")
+    (node, dtype), _ = max(groups.items(), key=lambda kv: (kv[1], kv[0][0] == opts.node, kv[0]))
+    cards = sorted(m.device for m in rows if m.node == node and m.device_type == dtype)
+    return node, dtype, cards
+
+
+def run(api: Api, opts: Options) -> LayerResult:
+    r = LayerResult(3, "Several cards and load balance")
+    node, dtype, cards = choose_cards(api, opts)
+    held = foreign_holders(api, cards)
+    if held and not opts.allow_busy:
+        r.add(
+            "the node's cards are free",
+            ", ".join(f"{d} held by {w}" for d, w in sorted(held.items())),
+            "held by no workload this run did not create (or --allow-busy)",
+            False,
+            metrics_evidence(
+                api.metrics(f"node=={node},device_type=={dtype}"), f"node=={node},device_type=={dtype}"
+            ),
+            note="refused: verify does not load cards that serve other workloads",
+        )
+        return r
+    cards = [c for c in cards if c not in held]
+    if len(cards) < 2:
+        raise CliError(f"{node} has {len(cards)} free Ready {dtype} card(s); layer 3 needs at least 2")
+    spec = test_workload(api.name("l3"), replicas=len(cards), preferred_device_types=[dtype])
+    d = deploy(api, spec, opts.ready_timeout_s)
+    placed = sorted(dev for i in running(d.summary) for dev in i.target_devices)
+    wev = workload_evidence(d.summary)
+    on_node = [dev for dev in placed if dev in cards]
+    r.add(
+        "instances on the node's cards",
+        f"{len(on_node)} of {len(cards)} instances on {node}'s {dtype} cards ({', '.join(placed)})",
+        f"{len(cards)} of {len(cards)}, one per card",
+        on_node == cards,
+        wev,
+    )
+    restarts_before = {i.id: i.restarts for i in d.summary.instances}
+    sb = sampled_burst(
+        api,
+        placed,
+        lambda: run_burst(
+            d.gateway,
+            spec.name,
+            opts.requests,
+            opts.concurrency,
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
+        ),
+        not_before_ms=running_since(d.summary),
+    )
+    b, sampler = sb.result, sb.sampler
+    r.utilization, r.marks, r.latencies_ms = list(sampler.series.values()), sampler.marks, b.latencies_ms
+    means = {dev: statistics.fmean(sb.window(dev)) if sb.window(dev) else 0.0 for dev in placed}
+    sd = statistics.pstdev(means.values()) if len(means) > 1 else 0.0
+    table = text_table(
+        ["CARD", "BEFORE", "MEAN (BURST START TO END + 5 s)", "PEAK", "SAMPLES"],
+        [
+            (dev, pct(sb.before[dev]), pct(means[dev]), pct(sb.peak(dev)), len(sb.window(dev)))
+            for dev in placed
+        ],
+    )
+    r.add(
+        "utilization standard deviation across the cards",
+        f"{sd:.1f} points (means {', '.join(f'{m:.0f}' for m in means.values())} %)",
+        f"< {STDDEV_LIMIT_PCT:.0f} points, every card busier than before the burst",
+        sd < STDDEV_LIMIT_PCT and bool(means) and all(sb.peak(dev) > sb.before[dev] for dev in placed),
+        evidence("kunlun-cli telemetry metrics --watch (sampled every 0.5 s during the burst)", table),
+        metrics_evidence(sampler.busiest, sampler.flt),
+    )
+    after = api.workload(spec.name)
+    restarted = [
+        f"{i.id}: {i.restarts - restarts_before.get(i.id, 0)} restarts"
+        for i in after.instances
+        if i.restarts != restarts_before.get(i.id, 0)
+    ]
+    oom = [
+        f"{i.id}: {i.reason}"
+        for i in after.instances
+        if "oom" in i.reason.lower() or "memory" in i.reason.lower()
+    ]
+    not_running = [f"{i.id} {i.phase}" for i in after.instances if i.phase != "Running"]
+    problems = restarted + oom + not_running
+    r.add(
+        "burst answered without OOM or timeout",
+        f"{b.ok}/{b.sent} answered 200, {b.timeouts} timeouts, {b.not_sent} not sent; "
+        + ("; ".join(problems) if problems else "no instance restarted or OOM-killed"),
+        f"{opts.requests}/{opts.requests} answered 200, 0 timeouts, no restart or OOM",
+        b.ok == opts.requests and not problems,
+        evidence(
+            f"POST http://{d.gateway}/v1/chat/completions x{opts.requests}, {opts.concurrency} concurrent",
+            b.summary() + ("\n" + "\n".join(b.errors) if b.errors else ""),
+        ),
+        workload_evidence(after),
+    )
+    return r

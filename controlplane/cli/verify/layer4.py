@@ -1,0 +1,91 @@
+"""Layer 4, mixed chips: an int8 test workload that prefers [cambricon, ascend] lands on cambricon
+(one instance per free cambricon card, so a broken preference would spill onto ascend), none of its
+instances on ascend, and telemetry filtered by `device_type==cambricon` shows its load."""
+
+from __future__ import annotations
+
+from controlplane.cli.client import CliError
+from controlplane.cli.verify.api import Api, running, test_workload
+from controlplane.cli.verify.common import Options, foreign_holders, metrics_evidence, pct, workload_evidence
+from controlplane.cli.verify.deploy import deploy, running_since
+from controlplane.cli.verify.load import MIN_BURST_S, run_burst
+from controlplane.cli.verify.model import LayerResult, evidence
+from controlplane.cli.verify.sampler import sampled_burst
+from kunlun_common.names import parse_device_name
+
+PREFERRED = ["cambricon", "ascend"]
+FILTER = "device_type==cambricon"
+
+
+def run(api: Api, opts: Options) -> LayerResult:
+    r = LayerResult(4, "Mixed chips")
+    rows = api.metrics()
+    cambricon = sorted(m.device for m in rows if m.device_type == "cambricon" and m.status == "Ready")
+    if not cambricon or not any(m.device_type == "ascend" for m in rows):
+        raise CliError("layer 4 needs Ready cambricon cards and ascend cards in the cluster")
+    held = foreign_holders(api, cambricon)
+    if held and not opts.allow_busy:
+        r.add(
+            "the cambricon cards are free",
+            ", ".join(f"{d} held by {w}" for d, w in sorted(held.items())),
+            "held by no workload this run did not create (or --allow-busy)",
+            False,
+            metrics_evidence(api.metrics(FILTER), FILTER),
+            note="refused: verify does not load cards that serve other workloads",
+        )
+        return r
+    free = [c for c in cambricon if c not in held]
+    spec = test_workload(
+        api.name("l4"), replicas=len(free), quantization="int8", preferred_device_types=PREFERRED
+    )
+    d = deploy(api, spec, opts.ready_timeout_s)
+    placed = sorted(dev for i in d.summary.instances for dev in i.target_devices)
+    types = [parse_device_name(dev).device_type for dev in placed]
+    wev = workload_evidence(d.summary)
+    r.add(
+        "the int8 workload lands on cambricon",
+        f"{types.count('cambricon')} of {spec.replicas} instances on cambricon ({', '.join(placed)})",
+        f"{spec.replicas} of {spec.replicas} (preferred_device_types {PREFERRED})",
+        types.count("cambricon") == spec.replicas,
+        wev,
+    )
+    r.add(
+        "none of its instances on ascend",
+        f"{types.count('ascend')} on ascend",
+        "0",
+        types.count("ascend") == 0,
+        wev,
+    )
+    n = max(1, opts.requests // 2)
+    served = [dev for i in running(d.summary) for dev in i.target_devices]
+    sb = sampled_burst(
+        api,
+        served,
+        lambda: run_burst(
+            d.gateway,
+            spec.name,
+            n,
+            min(opts.concurrency, 8),
+            opts.burst_timeout_s,
+            api_key=d.api_key,
+            min_duration_s=MIN_BURST_S,
+        ),
+        flt=FILTER,
+        not_before_ms=running_since(d.summary),
+    )
+    b, sampler = sb.result, sb.sampler
+    r.utilization, r.marks, r.latencies_ms = list(sampler.series.values()), sampler.marks, b.latencies_ms
+    shown = [dev for dev in served if sb.peak(dev) > sb.before[dev]]
+    peak_rows = {dev: max(sb.window(dev), default=0.0) for dev in served}
+    mine = [m for m in sampler.busiest if m.workload == spec.name]
+    r.add(
+        f"telemetry {FILTER} shows the load",
+        f"{len(shown)} of {len(served)} cards busier during the burst ("
+        + ", ".join(f"{dev} {pct(sb.before[dev])} -> {pct(peak_rows[dev])}" for dev in served)
+        + f"); {len(mine)} rows of the filter name the workload",
+        f"{len(served)} of {len(served)} busier, every card of the workload in the filtered view",
+        len(shown) == len(served) and len(mine) == len(served) and b.ok == b.sent,
+        metrics_evidence(sampler.busiest, FILTER),
+        evidence(f"POST http://{d.gateway}/v1/chat/completions x{n}", b.summary()),
+    )
+    return r

@@ -1,0 +1,95 @@
+"""The reader's language for user-facing text: GNU gettext, domain `kunlun`.
+
+The language comes from the environment in gettext's usual order (LANGUAGE, LC_ALL, LC_MESSAGES,
+LANG; e.g. `LANG=zh_CN.UTF-8`), the catalogs from `kunlun_common/locale/<lang>/LC_MESSAGES/kunlun.mo`
+(compiled from the .po files in the same folders by `make install`, scripts/i18n.py), or from the
+folder named by `$KUNLUN_LOCALEDIR` (packagers: e.g. /usr/share/locale). A missing, unreadable or
+corrupt catalog means English, never a failure.
+
+What is translated: the CLI's help, messages and errors, and the errors replicas send with a
+message id (kunlun_common/messages.py). What is not: `-o json` output, table columns and values,
+and log event names (scripts and log pipelines read them).
+
+Mark a user-facing string with `_()` (or `ngettext`, `pgettext`) at the point of use, never at
+import time, and keep the literal inside the call so that the AST scan of scripts/i18n.py (and the
+catalog coverage test) finds it; put values in with `.format(name=...)` after translation.
+"""
+
+from __future__ import annotations
+
+import gettext
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from kunlun_common.messages import Message, render
+
+DOMAIN = "kunlun"
+"""The gettext domain of every catalog."""
+PACKAGE_LOCALEDIR = Path(__file__).resolve().parent / "locale"
+"""Where the catalogs (.po, and the .mo compiled from them) live inside the package."""
+LOCALEDIR_ENV = "KUNLUN_LOCALEDIR"
+"""Environment variable naming another catalog folder (<dir>/<lang>/LC_MESSAGES/kunlun.mo)."""
+
+
+def localedir(env: Mapping[str, str] | None = None) -> Path:
+    """The catalog folder in use: $KUNLUN_LOCALEDIR, else the package's."""
+    value = (os.environ if env is None else env).get(LOCALEDIR_ENV, "")
+    return Path(value) if value else PACKAGE_LOCALEDIR
+
+
+def translations() -> gettext.NullTranslations:
+    """The catalog for the environment's language; English (no translation) when there is none.
+
+    Looked up on every call (gettext caches the parsed file), so a change of the environment takes
+    effect at once; a catalog that cannot be read or parsed counts as missing.
+    """
+    try:
+        return gettext.translation(DOMAIN, str(localedir()), fallback=True)
+    except Exception:  # a corrupt or unreadable .mo must not stop the CLI: English instead
+        return gettext.NullTranslations()
+
+
+def _(message: str) -> str:
+    """`message` in the reader's language."""
+    return translations().gettext(message)
+
+
+def ngettext(singular: str, plural: str, n: int) -> str:
+    """The singular or plural form for `n`, in the reader's language."""
+    return translations().ngettext(singular, plural, n)
+
+
+def pgettext(context: str, message: str) -> str:
+    """`message` in the reader's language, looked up under gettext context `context`."""
+    return translations().pgettext(context, message)
+
+
+def language() -> str:
+    """The language of the catalog in use ("" for English, no catalog)."""
+    info = translations().info()
+    return str(info.get("language", "")) if info else ""
+
+
+def localize(m: Message, english: str | None = None) -> str:
+    """A message with an id in the reader's language: its translation (context = id, msgid = the
+    English template) formatted with its values; `english` (default: the message's English text)
+    when the catalog has no translation of that exact template or the translation does not fit."""
+    fallback = str(m) if english is None else english
+    translated = pgettext(m.id, m.template)
+    if translated == m.template:
+        return fallback
+    return render(translated, m.params, fallback=fallback)
+
+
+def bind_global_domain() -> None:
+    """Make `kunlun` the process's default gettext domain, so that the standard library's own
+    strings that go through `gettext.gettext` (argparse's "usage:", "options", its errors) come
+    from our catalog too. For the CLI's entry point only: it changes process-wide state."""
+    where = str(localedir())
+    try:
+        gettext.translation(DOMAIN, where, fallback=True)
+    except Exception:  # corrupt catalog: leave the standard library in English
+        return
+    gettext.bindtextdomain(DOMAIN, where)
+    gettext.textdomain(DOMAIN)

@@ -1,0 +1,92 @@
+"""Messages with a stable id, so that a client can show them in its reader's language.
+
+A replica forms a user-facing error as `msg(ID, TEMPLATE, **params)`: ID is stable across versions
+(`"workload.not_found"`), TEMPLATE is the English text with `{name}` placeholders, params are the
+values. `str()` of the message is the English text, which stays the gRPC status details (what older
+clients and logs show). Next to it, `to_metadata` gives one trailing-metadata entry,
+`kunlun-msg: {"id": ..., "template": ..., "args": {...}}` (JSON, ASCII only, as gRPC wants for text
+metadata), which `from_metadata` reads back on the client. The client translates with the gettext
+context ID and the template as msgid (`pgettext(ID, TEMPLATE)`), then formats with the args; with no
+translation, or a template its catalog does not know (another version), it shows the English details.
+
+The catalogs (kunlun_common/locale) hold these as entries with `msgctxt ID`; scripts/i18n.py finds
+every `msg(...)` call by an AST scan, and a test checks that each has a translation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+METADATA_KEY = "kunlun-msg"
+"""Trailing-metadata key carrying a message's id, template and args."""
+MAX_METADATA_BYTES = 4096
+"""Larger messages travel without their id (gRPC's default header list limit is 8 KiB)."""
+
+Param = str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One user-facing message: a stable id, the English template and its named values."""
+
+    id: str
+    """Stable dotted id, e.g. "workload.not_found"; the gettext context of the translation."""
+    template: str
+    """English text with `{name}` placeholders (str.format syntax); the gettext msgid."""
+    params: Mapping[str, Param] = field(default_factory=dict)
+    """The placeholders' values: plain JSON values, so that the client formats exactly the same."""
+
+    def __str__(self) -> str:
+        return render(self.template, self.params, fallback=self.template)
+
+    def to_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata that carries this message (empty when too large to carry)."""
+        text = json.dumps(
+            {"id": self.id, "template": self.template, "args": dict(self.params)},
+            ensure_ascii=True,
+            separators=(",", ":"),
+        )
+        if len(text) > MAX_METADATA_BYTES:
+            return ()
+        return ((METADATA_KEY, text),)
+
+
+def _plain(v: object) -> Param:
+    if v is None or isinstance(v, str | int | float | bool):
+        return v
+    return str(v)
+
+
+def msg(msg_id: str, template: str, /, **params: object) -> Message:
+    """A message with stable id `msg_id`; non-JSON values are carried as their str()."""
+    return Message(msg_id, template, {k: _plain(v) for k, v in params.items()})
+
+
+def render(template: str, params: Mapping[str, Any], fallback: str) -> str:
+    """`template.format(**params)`, or `fallback` when the template does not fit the values."""
+    try:
+        return template.format(**params)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+        return fallback
+
+
+def from_metadata(metadata: Iterable[Any] | None) -> Message | None:
+    """The message carried in trailing metadata, or None (an older server, or bad metadata)."""
+    for item in metadata or ():
+        key, value = item  # (key, value) pairs, or grpc's _Metadatum namedtuples
+        if key != METADATA_KEY:
+            continue
+        try:
+            data = json.loads(value)
+        except (ValueError, TypeError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        mid, template, args = data.get("id"), data.get("template"), data.get("args", {})
+        if not isinstance(mid, str) or not isinstance(template, str) or not isinstance(args, dict):
+            return None
+        return Message(mid, template, {str(k): _plain(v) for k, v in args.items()})
+    return None

@@ -1,0 +1,222 @@
+"""Chinese (zh_CN) for kunlun-cli: every user-facing message has a translation with the same
+placeholders, the catalog is compiled at build time, the real CLI speaks Chinese under LANG=zh_CN
+and English without it or when the catalog is missing or corrupt, and JSON stays English."""
+
+from __future__ import annotations
+
+import gettext
+import os
+import re
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from controlplane.cli.localize import help_texts
+from kunlun_common import po
+from kunlun_common.i18n import DOMAIN, PACKAGE_LOCALEDIR, _, language, localize
+from kunlun_common.messages import Message, from_metadata, msg
+from scripts import i18n as tool
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ZH_PO = PACKAGE_LOCALEDIR / "zh_CN" / "LC_MESSAGES" / f"{DOMAIN}.po"
+ZH_MO = ZH_PO.with_suffix(".mo")
+CLI = [sys.executable, "-m", "controlplane.cli.main"]
+_PERCENT = re.compile(r"%(?:\((\w+)\))?[-#0 +]*\d*(?:\.\d+)?([sdirfgxXc%])")
+
+
+def placeholders(text: str) -> tuple[set[str], list[str]]:
+    """The str.format fields (with conversion and spec) and the %-style placeholders of a text."""
+    braces = {
+        f"{name}!{conv or ''}:{spec or ''}"
+        for _, name, spec, conv in string.Formatter().parse(text)
+        if name is not None
+    }
+    percents = sorted(f"{m.group(1) or ''}{m.group(2)}" for m in _PERCENT.finditer(text))
+    return braces, percents
+
+
+@pytest.fixture(scope="module")
+def catalog() -> dict[tuple[str | None, str], po.Entry]:
+    return {e.key: e for e in po.load(ZH_PO)}
+
+
+@pytest.fixture(scope="module")
+def extracted() -> list[tool.Found]:
+    found, problems = tool.extract()
+    assert not problems, "marked strings that cannot be extracted:\n" + "\n".join(problems)
+    return found
+
+
+def test_every_user_facing_message_has_a_chinese_translation(
+    extracted: list[tool.Found], catalog: dict[tuple[str | None, str], po.Entry]
+) -> None:
+    assert len(extracted) > 150  # the scan found the CLI's help and the replicas' messages
+    assert any(f.context == "workload.not_found" for f in extracted)
+    missing = [f for f in extracted if not (e := catalog.get((f.context, f.msgid))) or not e.translated]
+    assert not missing, (
+        f"{len(missing)} user-facing strings have no zh_CN translation in {ZH_PO.relative_to(ROOT)}; run "
+        "`.venv/bin/python scripts/i18n.py update`, translate the empty msgstr entries, then `make install`:\n"
+        + "\n".join(f"  {f.where[0]}: {f.context or ''} {f.msgid!r}" for f in missing[:40])
+    )
+
+
+def test_translations_keep_the_placeholders(catalog: dict[tuple[str | None, str], po.Entry]) -> None:
+    bad = []
+    for e in catalog.values():
+        if not e.msgid or not e.translated:
+            continue
+        for s in e.msgstr:
+            if placeholders(s) != placeholders(e.msgid):
+                bad.append(f"{e.msgid!r}: {placeholders(e.msgid)} vs {s!r}: {placeholders(s)}")
+            if e.msgid.endswith("\n") != s.endswith("\n"):
+                bad.append(f"{e.msgid!r}: trailing newline differs")
+    assert not bad, "translations whose placeholders differ from the English:\n" + "\n".join(bad)
+
+
+def test_every_cli_help_text_is_in_the_catalog(
+    catalog: dict[tuple[str | None, str], po.Entry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # help texts must not depend on the environment (a path in a help text would never match)
+    monkeypatch.setenv("KUNLUN_CONFIG", str(tmp_path / "odd" / "config.yaml"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    from controlplane.cli.main import build_parser
+
+    texts = help_texts(build_parser())
+    assert len(texts) > 100
+    missing = [(w, t) for w, t in texts if not (e := catalog.get((None, t))) or not e.translated]
+    assert not missing, "help texts without a zh_CN translation:\n" + "\n".join(
+        f"  {w}: {t!r}" for w, t in missing
+    )
+
+
+def test_the_built_catalog_is_the_compiled_po() -> None:
+    assert ZH_MO.exists(), f"{ZH_MO} is missing: `make install` compiles the catalogs"
+    assert ZH_MO.read_bytes() == po.compile_mo(po.load(ZH_PO)), (
+        f"{ZH_MO} is stale: run `make install` (or `.venv/bin/python scripts/i18n.py compile`)"
+    )
+
+
+def test_po_reads_back_and_compiles_for_gettext(tmp_path: Path) -> None:
+    text = ZH_PO.read_text(encoding="utf-8")
+    assert po.dump(po.parse(text)) == text
+    sample = po.parse(
+        'msgid ""\nmsgstr "Content-Type: text/plain; charset=UTF-8\\nPlural-Forms: nplurals=1; plural=0;\\n"\n\n'
+        'msgid "one \\"a\\"\\n"\nmsgstr ""\n"\\u4e00 \\"a\\"\\n"\n\n'
+        'msgctxt "x.y"\nmsgid "{n} items"\nmsgstr "{n} \\u4e2a"\n\n'
+        'msgid "%d file"\nmsgid_plural "%d files"\nmsgstr[0] "%d \\u4e2a\\u6587\\u4ef6"\n\n'
+        '#, fuzzy\nmsgid "unsure"\nmsgstr "?"\n\n'
+        'msgid "empty"\nmsgstr ""\n'
+    )
+    mo = tmp_path / "t.mo"
+    mo.write_bytes(po.compile_mo(sample))
+    with mo.open("rb") as f:
+        t = gettext.GNUTranslations(f)
+    assert t.gettext('one "a"\n') == '\u4e00 "a"\n'
+    assert t.pgettext("x.y", "{n} items") == "{n} \u4e2a"
+    assert t.gettext("{n} items") == "{n} items"  # only under its context
+    assert t.ngettext("%d file", "%d files", 5) == "%d \u4e2a\u6587\u4ef6"
+    assert t.gettext("unsure") == "unsure"  # fuzzy: left out
+    assert t.gettext("empty") == "empty"
+    with pytest.raises(po.PoError, match=r"t\.po:2"):
+        po.parse('msgid "a"\nmsgstr b\n', "t.po")
+
+
+def test_a_message_id_travels_and_falls_back_to_english(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = msg("workload.not_found", "workload {name!r} not found; see `kunlun-cli workload list`", name="x")
+    assert str(m) == "workload 'x' not found; see `kunlun-cli workload list`"
+    back = from_metadata(m.to_metadata())
+    assert back == m
+    assert from_metadata([("kunlun-msg", "{not json")]) is None
+    assert from_metadata([("other", "x")]) is None
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert localize(m) == "未找到工作负载 'x'；请查看 `kunlun-cli workload list`"
+    # a template this catalog does not know (another version's wording): the English as sent
+    other = Message("workload.not_found", "no workload {name!r}", {"name": "x"})
+    assert localize(other, english="no workload 'x'") == "no workload 'x'"
+    # values that do not fit the translation: English, never an exception
+    assert localize(Message(m.id, m.template, {}), english="E") == "E"
+    monkeypatch.setenv("LANGUAGE", "C")
+    monkeypatch.setenv("LC_ALL", "C")
+    assert localize(m) == str(m)
+
+
+@pytest.mark.parametrize(
+    ("env", "chinese"),
+    [
+        ({"LANG": "zh_CN.UTF-8"}, True),
+        ({"LANG": "zh_CN"}, True),
+        ({"LANGUAGE": "zh_CN", "LANG": "C"}, True),  # LANGUAGE first
+        ({"LC_ALL": "zh_CN.UTF-8", "LANG": "en_US.UTF-8"}, True),  # then LC_ALL
+        ({"LC_MESSAGES": "zh_CN.UTF-8", "LANG": "en_US.UTF-8"}, True),  # then LC_MESSAGES
+        ({"LANGUAGE": "en", "LANG": "zh_CN.UTF-8"}, False),
+        ({"LC_ALL": "C", "LANG": "zh_CN.UTF-8"}, False),
+        ({"LANG": "en_US.UTF-8"}, False),
+        ({}, False),
+    ],
+)
+def test_the_language_follows_the_usual_gettext_order(
+    env: dict[str, str], chinese: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert (_("options") == "选项") is chinese
+    assert (language() == "zh_CN") is chinese
+
+
+def _cli(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LANG", "LC_", "KUNLUN_"))}
+    base["KUNLUN_CONFIG"] = str(tmp_path / "no-such-config.yaml")
+    base["COLUMNS"] = "200"  # no wrapping of help lines
+    return subprocess.run(
+        [*CLI, *args], env={**base, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+    )
+
+
+def test_cli_help_and_errors_in_chinese_english_otherwise(tmp_path: Path) -> None:
+    zh = _cli(["workload", "--help"], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    assert zh.returncode == 0, zh.stderr
+    assert zh.stdout.startswith("用法：kunlun-cli workload")
+    assert "从 YAML 规格或命令行参数提交工作负载（幂等）" in zh.stdout
+    assert "显示此帮助信息并退出" in zh.stdout
+    assert "--output" in zh.stdout and "{table,json}" in zh.stdout  # flags and choices stay
+    en = _cli(["workload", "--help"], {"LANG": "C"}, tmp_path)
+    assert en.stdout.startswith("usage: kunlun-cli workload")
+    assert "submit a workload from a YAML spec or flags (idempotent)" in en.stdout
+
+    usage = _cli(["workload", "scale", "x"], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    assert usage.returncode == 2
+    assert "kunlun-cli workload scale：错误：缺少以下必需参数：replicas" in usage.stderr
+    cfg = _cli(["device", "list"], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    assert cfg.returncode == 1
+    assert cfg.stderr.strip() == (
+        f"kunlun-cli: {tmp_path / 'no-such-config.yaml'} 处没有客户端配置：运行 `make demo`（它会写入该文件）、"
+        "设置 KUNLUN_CONFIG，或传入 --config"
+    )
+
+
+def test_a_missing_or_corrupt_catalog_means_english(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _cli(["workload", "--help"], {"LANG": "zh_CN.UTF-8", "KUNLUN_LOCALEDIR": str(empty)}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: kunlun-cli workload")
+    corrupt = tmp_path / "corrupt" / "zh_CN" / "LC_MESSAGES"
+    corrupt.mkdir(parents=True)
+    (corrupt / f"{DOMAIN}.mo").write_bytes(b"\xde\x12\x04\x95 not a catalog")
+    env = {"LANG": "zh_CN.UTF-8", "KUNLUN_LOCALEDIR": str(tmp_path / "corrupt")}
+    cases = (
+        (["workload", "--help"], 0, "usage: kunlun-cli workload"),
+        (["workload", "scale", "x"], 2, "the following arguments are required: replicas"),
+        (["device", "list"], 1, "no client config at"),
+    )
+    for args, code, english in cases:
+        r = _cli(args, env, tmp_path)
+        assert r.returncode == code, r.stderr
+        assert "Traceback" not in r.stderr
+        assert english in r.stdout + r.stderr

@@ -1,0 +1,136 @@
+"""Errors that replicas send, in the CLI reader's language: a real replica (one kunlun-platform
+process on a real 3-member TLS etcd) sends its errors with a message id, and the real kunlun-cli
+under LANG=zh_CN.UTF-8 prints them in Chinese, in English otherwise; `-o json` stays English; a
+server that sends no id (an older replica) or an id with a template this CLI does not know is shown
+with its English text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.api.auth import Ctx
+from controlplane.cli.client import Client, CliError
+from controlplane.cli.config import ClientConfig, write_client_config
+from devcluster.cluster import ClusterSpec, LocalCluster
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc
+from kunlun_common.messages import msg
+from kunlun_common.pki import paths_for
+from kunlun_common.tls import load_tls, server_credentials
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[LocalCluster]:
+    """etcd and a single replica: enough for the replicas' errors, without agents or gateways."""
+    base = Path(tempfile.mkdtemp(prefix="kunlun-i18n-", dir=FAST_TMP))
+    c = LocalCluster(ClusterSpec(base_dir=base, replicas=1, node_configs=(), gateways=0, metrics=False))
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        c.make_certs()
+        c.start_etcd()
+        c.start_replicas()
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _config(c: LocalCluster, role: str, name: str) -> Path:
+    p = paths_for(c.cert_dir, role, name)
+    path = c.base / f"client-{name}.yaml"
+    write_client_config(path, ClientConfig(tuple(c.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    return path
+
+
+def _cli(config: Path, lang: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LANG", "LC_", "KUNLUN_"))}
+    env.update(LANG=lang, KUNLUN_CONFIG=str(config), COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "controlplane.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_replica_errors_in_chinese_and_english(replica: LocalCluster) -> None:
+    admin = _config(replica, "operator", "admin")
+    (ep,) = replica.endpoints
+    zh = _cli(admin, "zh_CN.UTF-8", "workload", "describe", "nosuch")
+    assert zh.returncode == 1, zh.stderr
+    assert (
+        zh.stderr.strip()
+        == f"kunlun-cli: {ep}: 未找到: 未找到工作负载 'nosuch'；请查看 `kunlun-cli workload list`"
+    )
+    en = _cli(admin, "C.UTF-8", "workload", "describe", "nosuch")
+    assert en.returncode == 1, en.stderr
+    assert en.stderr.strip() == (
+        f"kunlun-cli: {ep}: not found: workload 'nosuch' not found; see `kunlun-cli workload list`"
+    )
+    # refused by role (the @rpc wrapper's authorization), with the caller's identity as a value
+    viewer = _config(replica, "viewer", "viewer")
+    denied = _cli(viewer, "zh_CN.UTF-8", "workload", "delete", "nosuch")
+    assert denied.returncode == 1, denied.stderr
+    assert (
+        "权限不足: " in denied.stderr and "无权调用 DeleteWorkload（允许的角色：operator）" in denied.stderr
+    )
+    # JSON output stays English, whatever the language
+    out = _cli(admin, "zh_CN.UTF-8", "-o", "json", "workload", "list")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"items": []}
+
+
+class _OldReplica(cluster_pb2_grpc.ClusterServiceServicer):
+    """A server as replicas were before message ids (and one from a version with other wording)."""
+
+    async def DescribeDevice(
+        self, request: cluster_pb2.DescribeDeviceRequest, context: Ctx
+    ) -> cluster_pb2.DescribeDeviceResponse:
+        if request.name == "old":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "device 'old' not found")
+        m = msg("device.not_found", "there is no device {name!r} (reworded)", name=request.name)
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(m), m.to_metadata())
+        raise AssertionError("unreachable")
+
+
+async def test_errors_without_a_known_id_stay_english(
+    cert_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = grpc.aio.server()
+    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(_OldReplica(), server)  # type: ignore[abstract]
+    port = server.add_secure_port(
+        "127.0.0.1:0", server_credentials(load_tls(paths_for(cert_dir, "replica", "replica-1")))
+    )
+    await server.start()
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    p = paths_for(cert_dir, "operator", "admin")
+    client = Client(ClientConfig((f"127.0.0.1:{port}",), str(p.ca), str(p.cert), str(p.key)), timeout_s=10)
+
+    def describe(name: str) -> str:
+        with pytest.raises(CliError) as err:
+            client.call(lambda s: s.DescribeDevice, cluster_pb2.DescribeDeviceRequest(name=name))
+        return str(err.value)
+
+    try:
+        old = await asyncio.to_thread(describe, "old")
+        assert old == f"127.0.0.1:{port}: 未找到: device 'old' not found"
+        reworded = await asyncio.to_thread(describe, "x")
+        assert reworded == f"127.0.0.1:{port}: 未找到: there is no device 'x' (reworded)"
+    finally:
+        await server.stop(None)
