@@ -10,6 +10,8 @@ a made-up one). `request_timeout_s` bounds the wait for the first byte and each 
 from __future__ import annotations
 
 import asyncio
+import random
+import secrets
 from typing import TYPE_CHECKING
 
 import structlog
@@ -46,6 +48,7 @@ class Exchange:
         "started",
         "tail",
         "timer",
+        "trace",
         "tried",
         "variant",
         "wl",
@@ -61,8 +64,10 @@ class Exchange:
         head: bytes,
         tail: bytes,
         variant: str | None = None,
+        trace: str = "",
     ) -> None:
         self.proxy = proxy
+        self.trace = trace or secrets.token_hex(8)
         self.client = client
         self.req = req
         self.wl = wl
@@ -143,6 +148,23 @@ class Exchange:
         reg.stats.record(self.wl.name, variant, seconds, status >= 500)
         ttfb = self.first_byte - self.began if self.first_byte else None
         reg.metrics.record(self.wl.name, variant, status, seconds, ttfb)
+        sample = self.proxy.settings.access_log_sample
+        if status >= 400 or (sample > 0 and (sample >= 1 or random.random() < sample)):
+            last = self.tried[-1] if self.tried else None
+            log.info(
+                "access",
+                trace_id=self.trace,
+                method=self.req.method.decode("latin-1"),
+                path=self.req.url.split(b"?", 1)[0].decode("latin-1"),
+                workload=self.wl.name,
+                version=variant or "baseline",
+                instance=last.address if last is not None else "",
+                status=status,
+                attempts=len(self.tried),
+                ms=round(seconds * 1000, 1),
+                ttfb_ms=None if ttfb is None else round(ttfb * 1000, 1),
+                bytes_in=len(self.req.body),
+            )
 
     def _finish(self, keep_alive: bool, status: int) -> None:
         self.done = True

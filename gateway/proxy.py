@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -62,6 +64,9 @@ _HOP = frozenset(
         b"proxy-authorization",
     )
 )
+
+
+_TRACE_RE = re.compile(rb"[A-Za-z0-9._-]{1,64}")
 
 
 class Proxy:
@@ -127,12 +132,12 @@ class Proxy:
             client.error(status, message, req.keep_alive, extra)
             return
         path = req.url.split(b"?", 1)[0]
-        fwd, _, session = _scan(req.headers, self.keys.required)
+        fwd, _, session, trace = _scan(req.headers, self.keys.required)
         if path in _INFERENCE:
             if req.method != b"POST":
                 client.error(405, f"{path.decode()} takes POST", req.keep_alive)
                 return
-            self._inference(client, req, fwd, session)
+            self._inference(client, req, fwd + b"x-request-id: %s\r\n" % trace, session, trace)
             return
         if path == b"/health" or path == b"/health_generate":
             self._health(client, req)
@@ -171,7 +176,9 @@ class Proxy:
         ]
         return {"object": "list", "data": data}
 
-    def _inference(self, client: ClientProtocol, req: Request, fwd: bytes, session: bytes | None) -> None:
+    def _inference(
+        self, client: ClientProtocol, req: Request, fwd: bytes, session: bytes | None, trace: bytes = b""
+    ) -> None:
         try:
             body = _loads(req.body)
         except ValueError as e:
@@ -209,25 +216,36 @@ class Proxy:
         head = b"".join((req.method, b" ", req.url, http))
         tail = b"%scontent-length: %d\r\n\r\n" % (fwd, len(req.body))
         variant = reg.variant_for(wl, session.decode("latin-1") if session else None) if wl.canaries else None
-        ex = Exchange(self, client, req, wl, key, head, tail, variant)
+        ex = Exchange(self, client, req, wl, key, head, tail, variant, trace.decode("ascii"))
         client.exchange = ex
         self.inflight += 1
         ex.start()
 
 
-def _scan(headers: list[tuple[bytes, bytes]], strip_auth: bool) -> tuple[bytes, bytes | None, bytes | None]:
-    """(headers to forward, Authorization value, x-session-id value)."""
+def _scan(
+    headers: list[tuple[bytes, bytes]], strip_auth: bool
+) -> tuple[bytes, bytes | None, bytes | None, bytes]:
+    """(headers to forward, Authorization value, x-session-id value, trace id).
+
+    The trace id is the client's `x-request-id` when it is a plain token (1-64 of
+    `[A-Za-z0-9._-]`), else a new random one; it is forwarded to the engine by the caller (the
+    client's own header is not), and logged with the request."""
     out: list[bytes] = []
     auth = session = None
+    trace = b""
     for name, value in headers:
         low = name.lower()
         if low == b"authorization":
             auth = value
             if strip_auth:
                 continue
+        elif low == b"x-request-id":
+            if _TRACE_RE.fullmatch(value):
+                trace = value
+            continue
         elif low == b"x-session-id":
             session = value
         elif low in _HOP:
             continue
         out.append(b"%s: %s\r\n" % (name, value))
-    return b"".join(out), auth, session
+    return b"".join(out), auth, session, trace or secrets.token_hex(8).encode()

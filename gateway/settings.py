@@ -141,6 +141,10 @@ class GatewaySettings:
     keepalive_timeout_s: float = 60.0
     """An idle keep-alive connection (no request in progress or queued) is closed after this long,
     without an answer."""
+    access_log_sample: float = 1.0
+    """Share of successful requests written to the access log (one JSON line per request: trace id,
+    workload, version, instance, status, times, sizes; never prompt text or keys); refusals and
+    errors (status >= 400) are always written. 0..1."""
     max_connections: int = 4096
     """Client connections open at once; one more is answered 503 and closed at once."""
     rate_limit_per_s: float = 0.0
@@ -259,6 +263,10 @@ class GatewaySettings:
                 raise ConfigError(
                     f"{name}: expected a positive number of seconds, found {getattr(self, name)}"
                 )
+        if not 0.0 <= self.access_log_sample <= 1.0:
+            raise ConfigError(
+                f"access_log_sample: expected a share from 0 to 1, found {self.access_log_sample}"
+            )
         if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
             raise ConfigError(
                 "rate_limit_per_s / rate_limit_burst: expected 0 (no limit) or a positive number"

@@ -391,3 +391,36 @@ async def test_feed_fails_over_between_replicas(
         assert cp.registered["gateway-1"].address == gw.address
     finally:
         cp.revive(i)
+
+
+async def test_trace_id_reaches_the_engine_and_the_access_log(
+    gw: GatewayProc, cp: FakeControlPlane, engines: list[Engine]
+) -> None:
+    """A client's x-request-id (or a new one) is forwarded to the engine, which logs it, and the
+    gateway writes one access line per request with it, without the prompt text."""
+    await publish(gw, cp, {"traced": engines[:1]})
+    conn = connect(gw)
+    try:
+        r = await chat(conn, "traced", "secret prompt words", **{"x-request-id": "trace-abc.1"})
+        assert r.status == 200, r.body
+        bad = await chat(conn, "traced", **{"x-request-id": "not a token"})
+        assert bad.status == 200, bad.body
+    finally:
+        await conn.close()
+
+    def access() -> list[dict[str, Any]]:
+        lines = [json.loads(x) for x in gw.proc.log_text().splitlines() if x.startswith("{")]
+        return [e for e in lines if e.get("event") == "access" and e.get("workload") == "traced"]
+
+    await until(lambda: len(access()) >= 2, 10, "two access lines")
+    first, second = access()[:2]
+    assert first["trace_id"] == "trace-abc.1" and first["status"] == 200 and first["attempts"] == 1
+    assert first["instance"] == engines[0].address and first["path"] == "/v1/chat/completions"
+    assert "secret" not in gw.proc.log_text()
+    generated = second["trace_id"]
+    assert generated != "not a token" and len(generated) == 16
+    await until(
+        lambda: all(f"x-request-id={t}" in engines[0].proc.log_text() for t in ("trace-abc.1", generated)),
+        10,
+        "the engine to log both trace ids",
+    )

@@ -412,6 +412,10 @@ class _HttpProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-request-id":  # the gateway's trace id: logged, as SGLang logs rid
+            print(f"{ENGINE_NAME}: request x-request-id={value.decode('latin-1')}", flush=True)
+
     def on_body(self, body: bytes) -> None:
         self.body_size += len(body)
         if self.body_size <= self.app.settings.max_body_bytes:
