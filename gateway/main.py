@@ -15,6 +15,7 @@ import structlog
 
 from gateway.auth import ApiKeys
 from gateway.backends import HealthChecker, Registry
+from gateway.https import HttpsCertificate
 from gateway.metrics import GatewayExport, PoolRow
 from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings, is_loopback, split_host_port
@@ -57,12 +58,17 @@ class Gateway:
         self.started = time.time()
         self.metrics: Any = None
         self.metrics_address = ""
+        self.https: HttpsCertificate | None = None
+        """The HTTPS listener's certificate (tls_cert/tls_key), reloaded on SIGHUP."""
         self.revoked = RevokedSerials()
         """Revoked serials, fetched from the replicas (the metrics exporter refuses them)."""
 
     def reload_certificates(self) -> None:
-        """SIGHUP after `kunlun-cli certs rotate`: re-read the control-plane certificate; the next
-        connection to a replica and every new scrape use it, open streams carry on."""
+        """SIGHUP after `kunlun-cli certs rotate`: re-read the HTTPS certificate (tls_cert/tls_key:
+        new client connections get it) and the control-plane certificate (the next connection to a
+        replica and every new scrape use it); open connections and streams carry on."""
+        if self.https is not None:
+            self.https.reload()
         if self.material is None:
             return
         from kunlun_common import tls
@@ -165,13 +171,10 @@ class Gateway:
 
             self.router_sync = RouterSync(s.sglang_router_url, self.registry, s.sglang_router_workload)
             self._tasks.append(asyncio.create_task(self.router_sync.run(), name="gateway-router-sync"))
-        ctx = None
+        ctx: ssl.SSLContext | None = None
         if s.tls_cert:
-            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            try:
-                ctx.load_cert_chain(s.tls_cert, s.tls_key)
-            except (OSError, ssl.SSLError) as e:
-                raise ConfigError(f"tls_cert/tls_key: cannot load {s.tls_cert} / {s.tls_key} ({e})") from None
+            self.https = HttpsCertificate(s.tls_cert, s.tls_key)
+            ctx = self.https.context
         host, port = split_host_port(s.listen, "listen")
         proxy = self.proxy
         try:

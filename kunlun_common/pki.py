@@ -362,6 +362,37 @@ def write_crl(cert_dir: str | os.PathLike[str], serials: Iterable[int], days: in
     return out
 
 
+PRODUCTION_CRL = "/etc/kunlun/certs/" + ETCD_CRL
+"""Where `kunlun-installer install --role etcd` puts the CRL that the etcd unit passes to etcd."""
+
+
+def check_crl(crl_path: str | os.PathLike[str], ca_path: str | os.PathLike[str]) -> int:
+    """Check that `crl_path` is a DER or PEM CRL signed by the CA certificate at `ca_path` and
+    still current; return how many serials it lists. Raises ConfigError naming the file and fix."""
+    fix = (
+        "write it with `kunlun-cli certs init DIR` or `certs revoke ... --dir DIR` and copy DIR/crl/etcd.crl"
+    )
+    try:
+        data = Path(crl_path).read_bytes()
+        ca = x509.load_pem_x509_certificate(Path(ca_path).read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{crl_path} / {ca_path}: cannot read ({e}); {fix}") from None
+    try:
+        crl = (
+            x509.load_pem_x509_crl(data)
+            if data.lstrip().startswith(b"-----")
+            else x509.load_der_x509_crl(data)
+        )
+    except ValueError as e:
+        raise ConfigError(f"{crl_path}: not a CRL ({e}); {fix}") from None
+    if crl.issuer != ca.subject or not crl.is_signature_valid(ca.public_key()):  # type: ignore[arg-type]
+        raise ConfigError(f"{crl_path}: not signed by the CA in {ca_path}; {fix}")
+    next_update = crl.next_update_utc
+    if next_update is not None and next_update < _now():
+        raise ConfigError(f"{crl_path}: expired on {next_update:%Y-%m-%d}; {fix} again")
+    return len(list(crl))
+
+
 def certificate_serial(path: str | os.PathLike[str]) -> int:
     """The serial number of the PEM certificate at `path`."""
     return x509.load_pem_x509_certificate(Path(path).read_bytes()).serial_number

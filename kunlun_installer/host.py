@@ -260,6 +260,31 @@ def check_etcd_env(path: Path) -> None:
         )
 
 
+ETCD_CRL = "crl/etcd.crl"
+"""In the certificate folder: the CRL the etcd unit passes as `--client-crl-file` (`certs init`
+writes an empty one signed by the etcd CA; `certs revoke --dir` rewrites it)."""
+
+
+def check_etcd_crl(rel: Path, certs: Path) -> None:
+    """etcd starts with `--client-crl-file=ETC/certs/crl/etcd.crl`: the host's certificate folder
+    must hold that CRL, signed by its etcd CA (checked with the release's own code; a host never
+    holds the CA key, so the installer cannot sign one itself)."""
+    crl, ca = certs / ETCD_CRL, certs / "etcd-ca.crt"
+    if not crl.is_file():
+        raise InstallError(
+            "certificates",
+            f"{crl}: missing (etcd's --client-crl-file)",
+            "copy DIR/crl/etcd.crl from the `kunlun-cli certs init DIR` folder with the member's certs",
+        )
+    py = rel / "venv" / "bin" / "python"
+    code = "import sys; from kunlun_common.pki import check_crl as c; print(c(sys.argv[1], sys.argv[2]))"
+    r = subprocess.run([str(py), "-c", code, str(crl), str(ca)], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise InstallError("certificates", last, "give the CRL written by this cluster's etcd CA")
+    say("certificates", f"{crl}: CRL signed by the etcd CA, {r.stdout.strip()} revoked serial(s)")
+
+
 @dataclass(frozen=True)
 class InstallRequest:
     role: str
@@ -314,6 +339,7 @@ def install(paths: Paths, bundle: Bundle, req: InstallRequest) -> None:
     rel = build_release(paths, bundle, state)
     if req.role == "etcd":
         check_etcd_env(req.config)
+        check_etcd_crl(rel, req.certs)
     else:
         check_config(rel, req.role, req.config)
     _, config_name = ROLES[req.role]
@@ -343,6 +369,9 @@ def install(paths: Paths, bundle: Bundle, req: InstallRequest) -> None:
             _place(paths, state, src.read_bytes(), dest, 0o640 if src.suffix == ".key" else 0o644, 0, gid)
             n += 1
     say("certificates", f"{n} files in {certs_dest} (keys 0640 root:{req.user})")
+    crl_meta = state["files"].get(str(certs_dest / ETCD_CRL))
+    if crl_meta is not None:  # rewritten by the operator after each `certs revoke --dir`
+        crl_meta["source"] = "crl"
     roles = state.setdefault("roles", {})
     assert isinstance(roles, dict)
     roles[req.role] = {"user": req.user}
@@ -378,7 +407,7 @@ def verify(paths: Paths) -> list[str]:
         p = Path(name)
         if not p.is_file():
             problems.append(f"missing: {p}")
-        elif sha256_file(p) != meta["sha256"]:
+        elif meta["source"] != "crl" and sha256_file(p) != meta["sha256"]:  # a newer CRL is fine
             problems.append(f"changed: {p}")
         elif p.stat().st_mode & 0o7777 != meta["mode"]:
             problems.append(f"mode: {p} is {oct(p.stat().st_mode & 0o7777)}, expected {oct(meta['mode'])}")

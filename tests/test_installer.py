@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.procs import free_port, wait_for
-from kunlun_common.pki import ClusterCerts, init_cluster_certs
+from kunlun_common.pki import ClusterCerts, init_cluster_certs, write_crl
 from kunlun_installer import host
 from kunlun_installer.bundle import Bundle, build, write_manifest
 from kunlun_installer.units import ROLES, command_line, parse_unit
@@ -211,6 +211,8 @@ def test_units_pass_systemd_analyze_verify(bundle_dir: Path, certs: Path, tmp_pa
     agent = (paths.unit_dir / "kunlun-agent.service").read_text()
     assert "KillMode=process" in agent and "Delegate=yes" in agent
     assert "NoNewPrivileges=true" in (paths.unit_dir / "kunlun-platform.service").read_text()
+    etcd = (paths.unit_dir / "kunlun-etcd.service").read_text()
+    assert f"--client-crl-file={paths.etc}/certs/crl/etcd.crl" in etcd
     # a broken directive is caught by the same check (so the check can fail)
     bad = paths.unit_dir / "kunlun-platform.service"
     bad.write_text(bad.read_text().replace("ProtectSystem=strict", "ProtectSystem=sometimes"))
@@ -244,6 +246,55 @@ def test_a_ca_private_key_never_reaches_a_host(bundle_dir: Path, certs: Path, tm
     )  # fmt: skip
     assert r.returncode == 2 and "a CA private key" in r.stderr
     assert not paths.etc.exists() and not paths.prefix.exists(), "refused before anything was laid out"
+
+
+def test_etcd_unit_passes_a_crl_signed_by_the_etcd_ca(
+    installed: host.Paths, bundle_dir: Path, certs: Path, tmp_path: Path
+) -> None:
+    """`--role etcd`: the unit starts etcd with --client-crl-file, and the file it names is installed
+    and is a CRL signed by the etcd CA; a folder without the CRL, or with another CA's, is refused."""
+    from cryptography import x509
+
+    env = ROOT / "deploy" / "examples" / "etcd.env"
+
+    def install_etcd(cert_dir: Path) -> subprocess.CompletedProcess[str]:
+        return installer(
+            "install", "--role", "etcd", "--config", env, "--certs", cert_dir, "--user", "root",
+            bundle=bundle_dir, paths=installed,
+        )  # fmt: skip
+
+    no_crl = tmp_path / "no-crl"
+    shutil.copytree(certs, no_crl, ignore=shutil.ignore_patterns("crl"))
+    r = install_etcd(no_crl)
+    assert r.returncode == 2 and "step 'certificates' failed" in r.stderr, r.stdout + r.stderr
+    assert f"{no_crl}/crl/etcd.crl: missing" in r.stderr
+    foreign = tmp_path / "foreign"
+    init_cluster_certs(foreign, ClusterCerts(nodes=("node-a",)))
+    wrong = tmp_path / "wrong-crl"
+    shutil.copytree(certs, wrong)
+    shutil.copyfile(foreign / "crl" / "etcd.crl", wrong / "crl" / "etcd.crl")
+    r = install_etcd(wrong)
+    assert r.returncode == 2 and "not signed by the CA" in r.stderr, r.stdout + r.stderr
+    assert not (installed.unit_dir / "kunlun-etcd.service").exists(), (
+        "nothing installed from a refused folder"
+    )
+
+    r = install_etcd(certs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CRL signed by the etcd CA, 0 revoked serial(s)" in r.stdout
+    argv, _ = command_line(parse_unit(installed.unit_dir / "kunlun-etcd.service"))
+    flags = [a for a in argv if a.startswith("--client-crl-file=")]
+    assert flags == [f"--client-crl-file={installed.etc}/certs/crl/etcd.crl"], argv
+    crl = x509.load_der_x509_crl(Path(flags[0].partition("=")[2]).read_bytes())
+    ca = x509.load_pem_x509_certificate((installed.etc / "certs" / "etcd-ca.crt").read_bytes())
+    assert crl.issuer == ca.subject and crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
+    assert len(list(crl)) == 0
+    assert installer("verify", paths=installed).returncode == 0
+    # after `certs revoke --dir` the operator copies a newer CRL there: verify does not flag it
+    write_crl(certs.parent / "all", [12345])
+    shutil.copyfile(certs.parent / "all" / "crl" / "etcd.crl", installed.etc / "certs" / "crl" / "etcd.crl")
+    r = installer("verify", paths=installed)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def answers(port: int) -> bool:

@@ -12,6 +12,7 @@ from kunlun_common.api import security_pb2, security_pb2_grpc
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import (
     DEFAULT_DAYS,
+    PRODUCTION_CRL,
     ROLES,
     ClusterCerts,
     certificate_serial,
@@ -77,7 +78,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--dir",
         help="the `certs init` folder: resolves NAME there, and rewrites DIR/crl/etcd.crl (etcd's "
-        "--client-crl-file; needs DIR-ca-keys) with every revoked serial",
+        "--client-crl-file; needs DIR-ca-keys) with every revoked serial; copy it to "
+        "/etc/kunlun/certs/crl/etcd.crl on every etcd host (where kunlun-etcd.service reads it)",
     )
     r.add_argument("--reason", default="", help="why (kept with the revocation)")
     r.set_defaults(handler=certs_revoke)
@@ -177,8 +179,8 @@ def certs_revoke(args: argparse.Namespace) -> int:
     print(f"revoked {rev.name or 'certificate'} serial {rev.serial} (replicas refuse it now)")
     if crl:
         print(
-            f"wrote {crl}: copy it to every etcd member's --client-crl-file (etcd reads it on each new "
-            "connection; no restart)"
+            f"wrote {crl}: copy it to every etcd member's --client-crl-file ({PRODUCTION_CRL} on hosts "
+            "installed with kunlun-installer; etcd reads it on each new connection, no restart)"
         )
     return 0
 

@@ -140,8 +140,10 @@ def verify(args: argparse.Namespace) -> int:
                     LayerResult(5, TITLES[5], skipped="layer 5 stops a replica: give --disruptive")
                 )
                 continue
-            if n not in functions:
-                run.layers.append(LayerResult(n, TITLES[n], skipped="not implemented in this version"))
+            if n not in functions:  # asked for and allowed, but not there: that is no pass
+                missing = LayerResult(n, TITLES[n])
+                missing.add("layer implemented", "no", "yes", None, note="not implemented in this version")
+                run.layers.append(missing)
                 continue
             _say(args, f"layer {n}: {TITLES[n]} ...")
             try:
@@ -156,6 +158,11 @@ def verify(args: argparse.Namespace) -> int:
                 _say(args, f"  [{c.verdict.upper():5}] {c.name}: {c.measured} (threshold {c.threshold})")
     except KeyboardInterrupt:
         interrupted = True
+        ran = {r.layer for r in run.layers}
+        for n in [n for n in layers if n not in ran][:1]:
+            cut = LayerResult(n, TITLES[n])
+            cut.add("layer ran to the end", "interrupted", "no interruption", None, note="Ctrl-C or SIGTERM")
+            run.layers.append(cut)
         run.cleanup.extend(api.cleanup())
         run.cleanup.append("interrupted: the remaining layers did not run")
     finally:
