@@ -50,7 +50,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs root, util-linux unshare and a memory cgroup controller",
 )
 AGENT_SECRET = "KUNLUN_TEST_AGENT_SECRET"
-DISCONNECT_STOP_S = 4.0
+DISCONNECT_STOP_S = 8.0
+"""Long enough for a killed agent to be restarted and reach a replica on a loaded 2-core box (agent
+start-up now probes the engine protections too), so its adopted engines are not fenced meanwhile."""
 AGENT_ARGS = (
     "--test-engine-fallback",
     "--probe-interval=0.2",
