@@ -184,12 +184,13 @@ def test_available_engine_keeps_serving_without_contact(safe_cluster: LocalClust
     other = next(n for n in c.node_names() if n != lost)
     old = [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "start"][-1]
     agent = c.agents[lost]
+    paused_at = time.monotonic()
     agent.pause()
     try:
         wait_for(lambda: not nodes_ready(c)[lost], 30, f"{lost} NotReady")
-        paused_at = time.monotonic()
         wait_for(lambda: running_on(c, "avail", f"{other}/"), 120, f"avail Running on {other}")
-        # a strict engine would have fenced itself by now (deadline + slack + stop grace)
+        # a strict engine would have fenced itself by now: the fence counts from the last ack before
+        # the pause (deadline + slack + stop grace), and the move came after lease + grace
         assert time.monotonic() - paused_at > DEADLINE_S + 1 + STOP_GRACE_S
         assert pid_alive(old["pid"]), "the available engine was stopped without contact"
         assert not [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]

@@ -108,4 +108,5 @@ def test_etcd_members_get_only_their_own_certificate(etcd: EtcdCluster) -> None:
     for m in etcd.members:
         folder = m.data_dir.parent / "certs"
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-        assert files == ["etcd-ca.crt", f"etcd/{m.name}.crt", f"etcd/{m.name}.key"]
+        # its own key pair, the etcd CA and the revocation list it enforces (public, signed by the CA)
+        assert files == ["crl/etcd.crl", "etcd-ca.crt", f"etcd/{m.name}.crt", f"etcd/{m.name}.key"]
