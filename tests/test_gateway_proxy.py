@@ -48,9 +48,12 @@ async def engines(base: Path) -> AsyncIterator[list[Engine]]:
 
 @pytest.fixture(scope="module")
 async def gw(base: Path, cp: FakeControlPlane, cert_dir: Path) -> AsyncIterator[GatewayProc]:
+    config = base / "gateway-1.yaml"
+    config.write_text("access_log_sample: 1.0\n")  # every request in the access log (default 1 %)
     g = GatewayProc(
         base,
         "gateway-1",
+        f"--config={config}",
         "--name=gateway-1",
         f"--endpoints={','.join(cp.addresses)}",
         f"--cert-dir={cert_dir}",
