@@ -47,6 +47,7 @@ class ReplicaLink:
         on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
+        on_profiling: Callable[[types_pb2.ProfilingSettings], object] | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.creds = tls.channel_credentials(material)
@@ -58,6 +59,7 @@ class ReplicaLink:
         self.on_assignments = on_assignments
         self.reports = reports
         self.report_changed = report_changed
+        self.on_profiling = on_profiling
         self.connected_to = ""
         self.registered = asyncio.Event()
         self.last_ack = 0.0
@@ -194,6 +196,12 @@ class ReplicaLink:
                         self.on_assignments(safe_assignments(msg.assignments))
                     except Exception:  # the stream must survive a bad handler
                         log.exception("handling assignments failed")
+            elif kind == "profiling":
+                if self.on_profiling is not None:
+                    try:
+                        self.on_profiling(msg.profiling)
+                    except Exception:
+                        log.exception("switching profiling failed")
 
 
 def registration(
