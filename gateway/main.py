@@ -71,7 +71,6 @@ class Gateway:
             self.https.reload()
         if self.material is None:
             return
-        from kunlun_common import tls
         from kunlun_common.reload import LiveTls
 
         live = LiveTls(self.material, expect_roles=("gateway",))
@@ -79,7 +78,7 @@ class Gateway:
             return
         self.material = live.material
         if self.feed is not None:
-            self.feed.creds = tls.channel_credentials(self.material)
+            self.feed.reload(self.material)
         if self.metrics is not None:
             self.metrics.reload(self.material)
 
@@ -148,7 +147,9 @@ class Gateway:
         if self.material is not None and s.endpoints:
             from gateway.feed import ControlPlaneFeed
 
-            self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
+            self.feed = ControlPlaneFeed(
+                s, self.material, self.registry, self.keys, VERSION, self._changed, revoked=self.revoked
+            )
             self.feed.info.metrics_address = self.metrics_address
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
             self._tasks.append(

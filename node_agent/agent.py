@@ -166,13 +166,14 @@ class Agent:
             on_assignments=self.executor.assign,
             reports=self.executor.report,
             report_changed=self.executor.changed,
+            revoked=self.revoked,
         )
 
     def _reloaded(self, material: tls.TlsMaterial) -> None:
         """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
         at the NodeService and the exporter use the new certificate; the open stream carries on."""
         self.tls = material
-        self.link.creds = tls.channel_credentials(material)
+        self.link.reload(material)
         if self.metrics is not None:
             self.metrics.reload(material)
 
