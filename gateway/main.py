@@ -77,7 +77,6 @@ class Gateway:
             self.https.reload()
         if self.material is None:
             return
-        from kunlun_common import tls
         from kunlun_common.reload import LiveTls
 
         live = LiveTls(self.material, expect_roles=("gateway",))
@@ -85,7 +84,7 @@ class Gateway:
             return
         self.material = live.material
         if self.feed is not None:
-            self.feed.creds = tls.channel_credentials(self.material)
+            self.feed.reload(self.material)
         if self.metrics is not None:
             self.metrics.reload(self.material)
 
@@ -155,7 +154,14 @@ class Gateway:
             from gateway.feed import ControlPlaneFeed
 
             self.feed = ControlPlaneFeed(
-                s, self.material, self.registry, self.keys, VERSION, self._changed, self._profiling
+                s,
+                self.material,
+                self.registry,
+                self.keys,
+                VERSION,
+                self._changed,
+                self._profiling,
+                revoked=self.revoked,
             )
             self.feed.info.metrics_address = self.metrics_address
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))

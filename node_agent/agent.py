@@ -168,6 +168,7 @@ class Agent:
             reports=self.executor.report,
             report_changed=self.executor.changed,
             on_profiling=self._profiling,
+            revoked=self.revoked,
         )
         self.profiler = Profiler(settings.profiling, f"agent.{self.config.node_name}")
         """Run-time profiling, switched by the replicas (scheduler settings) on the stream."""
@@ -176,7 +177,7 @@ class Agent:
         """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
         at the NodeService and the exporter use the new certificate; the open stream carries on."""
         self.tls = material
-        self.link.creds = tls.channel_credentials(material)
+        self.link.reload(material)
         if self.metrics is not None:
             self.metrics.reload(material)
 
