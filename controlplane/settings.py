@@ -8,6 +8,7 @@ from controlplane.audit import AuditSettings
 from controlplane.election import ElectionSettings
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, etcd_client_paths, paths_for
+from kunlun_common.trace_ring import ProfileOutput
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class ReplicaSettings:
     """Most bytes of packages the cluster's store index may hold (each package counted once)."""
     audit: AuditSettings = field(default_factory=AuditSettings)
     """Retention of the audit log (`kunlun-cli audit`): most records and oldest age kept."""
+    profiling: ProfileOutput = field(default_factory=ProfileOutput)
+    """Where run-time profiles go when the scheduler settings switch `advanced_profiling` on: folder,
+    most files kept, most bytes per file (`--profile-dir` sets the folder)."""
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
