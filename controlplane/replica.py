@@ -57,6 +57,7 @@ from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.profiling import Profiler
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
+from kunlun_common.wire_limits import replica_server_options
 
 log = structlog.get_logger("replica")
 VERSION = "0.1.0"
@@ -229,6 +230,7 @@ class Replica:
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                *replica_server_options(),  # the agent channel's limits, mirrored by the agents
             ],
         )
         cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name)
@@ -324,6 +326,13 @@ class Replica:
             self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: the replica's own certificate (its gRPC server
+        and exporter from the next handshake, its calls to agents from the next connection) and
+        its etcd client certificate (a new etcd channel; store.reload_credentials)."""
+        self.live_tls.reload()
+        self.store.reload_credentials()
+
     async def stop(self) -> None:
         """Graceful stop: resign leadership at once, leave the registry, stop serving."""
         log.info("replica stopping", name=self.settings.name)
@@ -370,7 +379,7 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
+    loop.add_signal_handler(signal.SIGHUP, replica.reload_certificates)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter, *replica._tasks]
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
