@@ -10,6 +10,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
 from kunlun_common.api import workload_pb2
+from kunlun_common.i18n import _
 
 
 def make_client(args: argparse.Namespace) -> Any:
@@ -47,7 +48,9 @@ def config_set(args: argparse.Namespace) -> int:
     try:
         text = Path(args.file).read_text()
     except OSError as e:
-        raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+        raise CliError(
+            _("{file}: cannot be read ({strerror})").format(file=args.file, strerror=e.strerror)
+        ) from None
     resp = make_client(args).workloads(
         lambda s: s.SetSchedulerConfig, workload_pb2.SchedulerConfigText(yaml=text)
     )
@@ -56,5 +59,5 @@ def config_set(args: argparse.Namespace) -> int:
 
         print_json(yaml.safe_load(resp.yaml))
     else:
-        print("scheduler config applied")
+        print(_("scheduler config applied"))
     return 0

@@ -57,6 +57,7 @@ from controlplane.store.contract import (
 )
 from controlplane.store.leases import LeaseKeeper
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
@@ -99,7 +100,11 @@ def host_port(endpoint: str) -> tuple[str, int]:
     url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
     if not url.hostname or not url.port:
         raise ConfigError(
-            f"etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379"
+            msg(
+                "store.etcd_endpoint_expected_https",
+                "etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379",
+                endpoint=endpoint,
+            )
         )
     return url.hostname, url.port
 
@@ -130,10 +135,27 @@ def translate(e: grpc.aio.AioRpcError, what: str) -> Exception:
     """Map a gRPC error from etcd onto TemporaryError / PermanentError with a clear message."""
     detail = e.details() or str(e.code())
     if "lease not found" in detail:
-        return LeaseNotFound(f"etcd {what}: {detail}")
+        return LeaseNotFound(msg("store.etcd", "etcd {what}: {detail}", what=what, detail=detail))
     if e.code() in _TEMPORARY_CODES or "no leader" in detail or "timed out" in detail:
-        return TemporaryError(f"etcd {what} failed: {e.code().name}: {detail}", delay=0.2)
-    return PermanentError(f"etcd {what} refused: {e.code().name}: {detail}")
+        return TemporaryError(
+            msg(
+                "store.etcd_failed",
+                "etcd {what} failed: {name}: {detail}",
+                what=what,
+                name=e.code().name,
+                detail=detail,
+            ),
+            delay=0.2,
+        )
+    return PermanentError(
+        msg(
+            "store.etcd_refused",
+            "etcd {what} refused: {name}: {detail}",
+            what=what,
+            name=e.code().name,
+            detail=detail,
+        )
+    )
 
 
 class EtcdStore:
@@ -159,7 +181,12 @@ class EtcdStore:
             key = open(s.key_path, "rb").read()
         except OSError as e:
             raise ConfigError(
-                f"etcd TLS file {e.filename} cannot be read ({e.strerror}); check store settings"
+                msg(
+                    "store.etcd_tls_file_cannot",
+                    "etcd TLS file {filename} cannot be read ({strerror}); check store settings",
+                    filename=e.filename,
+                    strerror=e.strerror,
+                )
             ) from None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
@@ -305,7 +332,13 @@ class EtcdStore:
         At most MAX_TXN_OPS operations per branch.
         """
         if len(success) > MAX_TXN_OPS or len(failure) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
-            raise PermanentError(f"transaction with more than {MAX_TXN_OPS} operations (etcd's limit)")
+            raise PermanentError(
+                msg(
+                    "store.transaction_with_more_than",
+                    "transaction with more than {max_txn_ops} operations (etcd's limit)",
+                    max_txn_ops=MAX_TXN_OPS,
+                )
+            )
         req = rpc.TxnRequest(
             compare=[_compare(c) for c in compares],
             success=[_op(o) for o in success],
@@ -333,7 +366,9 @@ class EtcdStore:
             "lease grant", lambda: self._lease.LeaseGrant(req, timeout=self._timeout, metadata=_METADATA)
         )
         if resp.error:
-            raise TemporaryError(f"etcd lease grant failed: {resp.error}")
+            raise TemporaryError(
+                msg("store.etcd_lease_grant_failed", "etcd lease grant failed: {error}", error=resp.error)
+            )
         return int(resp.ID)
 
     async def lease_keepalive(self, lease_id: int) -> int:
@@ -394,7 +429,7 @@ class EtcdStore:
                     async with asyncio.timeout(self.settings.watch_idle_timeout_s):
                         resp = await call.read()
                     if resp is _EOF:
-                        raise TemporaryError("watch stream closed")
+                        raise TemporaryError(msg("store.watch_stream_closed", "watch stream closed"))
                     attempt = 0
                     if resp.compact_revision:
                         log.warning(
@@ -408,7 +443,13 @@ class EtcdStore:
                         yield Resync(kvs, rev)
                         break
                     if resp.canceled:
-                        raise TemporaryError(f"watch canceled: {resp.cancel_reason}")
+                        raise TemporaryError(
+                            msg(
+                                "store.watch_canceled",
+                                "watch canceled: {cancel_reason}",
+                                cancel_reason=resp.cancel_reason,
+                            )
+                        )
                     # one transaction = several events at the same revision: skip only revisions
                     # delivered before this response, and move on once the whole response is out
                     first_new = next_rev
@@ -490,4 +531,4 @@ def _op(o: Op) -> Any:
     if isinstance(o, GetOp):
         end = prefix_end(o.key) if o.prefix else b""
         return rpc.RequestOp(request_range=rpc.RangeRequest(key=o.key.encode(), range_end=end))
-    raise PermanentError(f"unknown op {o!r}")
+    raise PermanentError(msg("store.unknown_op", "unknown op {o!r}", o=o))

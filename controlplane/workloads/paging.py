@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from controlplane import keys
 from controlplane.store.contract import prefix_end
 from kunlun_common.errors import InvalidInput
+from kunlun_common.messages import msg
 
 MAX_PAGE_SIZE = 1000
 """The most workloads one page may hold (a page with every instance must stay far below gRPC's
@@ -44,17 +45,32 @@ class PageToken:
             revision, after = data["r"], data["a"]
         except (binascii.Error, ValueError, KeyError, TypeError) as e:
             raise InvalidInput(
-                f"page_token: not a token this server issued ({e.__class__.__name__}); "
-                "pass next_page_token from the previous page, or none for the first page"
+                msg(
+                    "paging.page_token_not_token",
+                    "page_token: not a token this server issued ({name}); pass next_page_token from the previous page, or none for the first page",
+                    name=e.__class__.__name__,
+                )
             ) from e
         if not isinstance(revision, int) or revision <= 0 or not isinstance(after, str) or not after:
-            raise InvalidInput("page_token: malformed; pass next_page_token from the previous page")
+            raise InvalidInput(
+                msg(
+                    "paging.page_token_malformed_pass",
+                    "page_token: malformed; pass next_page_token from the previous page",
+                )
+            )
         return PageToken(revision, after)
 
 
 def check_page_size(size: int) -> None:
     if not 0 <= size <= MAX_PAGE_SIZE:
-        raise InvalidInput(f"page_size: expected 0 (everything) or 1..{MAX_PAGE_SIZE}, found {size}")
+        raise InvalidInput(
+            msg(
+                "paging.page_size_expected_everything",
+                "page_size: expected 0 (everything) or 1..{max_page_size}, found {size}",
+                max_page_size=MAX_PAGE_SIZE,
+                size=size,
+            )
+        )
 
 
 def workloads_start(token: PageToken | None) -> str:
