@@ -18,6 +18,7 @@ import yaml
 from controlplane.scheduler.model import PRIORITIES
 from kunlun_common.errors import ConfigError
 from kunlun_common.messages import Message, msg, msg_list
+from kunlun_common.profiling import MAX_INTERVAL_MS, MIN_INTERVAL_MS
 
 POLICIES = ("spread", "binpack")
 """Values of `SchedulerConfig.policy`."""
@@ -68,6 +69,12 @@ class SchedulerConfig:
     max_placements_per_commit: int = 50
     """Placements per etcd transaction: 1..64, since etcd allows 128 operations per transaction and
     each placement costs 2."""
+    advanced_profiling: bool = False
+    """Run-time profiling, switched on and off without restart: every replica, agent and gateway
+    samples its threads' stacks each `profiling_interval_ms` and writes Chrome trace files into its
+    bounded ring (the process's `profiling` settings: folder, files, bytes per file)."""
+    profiling_interval_ms: int = 50
+    """Milliseconds between two profiling samples (5..60000); read only while advanced_profiling is on."""
 
     def __post_init__(self) -> None:
         weights = MappingProxyType(dict(self.priority_weights))
@@ -224,6 +231,25 @@ def _check_values(config: SchedulerConfig) -> list[Message]:
                 etcd_max_txn_ops=ETCD_MAX_TXN_OPS,
                 ops_per_placement=OPS_PER_PLACEMENT,
                 cap=_describe(cap),
+            )
+        )
+    if not isinstance(config.advanced_profiling, bool):
+        problems.append(
+            msg(
+                "scheduler.config.advanced_profiling_expected_true",
+                "advanced_profiling: expected true or false, found {advanced_profiling}",
+                advanced_profiling=_describe(config.advanced_profiling),
+            )
+        )
+    ms = config.profiling_interval_ms
+    if not isinstance(ms, int) or isinstance(ms, bool) or not MIN_INTERVAL_MS <= ms <= MAX_INTERVAL_MS:
+        problems.append(
+            msg(
+                "scheduler.config.profiling_interval_ms_expected",
+                "profiling_interval_ms: expected an integer from {min_interval_ms} to {max_interval_ms} (milliseconds between samples), found {ms}",
+                min_interval_ms=MIN_INTERVAL_MS,
+                max_interval_ms=MAX_INTERVAL_MS,
+                ms=_describe(ms),
             )
         )
     return problems
