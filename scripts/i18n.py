@@ -55,6 +55,7 @@ REPLICA_MODULES = (
     "controlplane/scheduler/config.py",
     "controlplane/telemetry.py",
     "controlplane/fencing.py",
+    "controlplane/paging.py",
     "controlplane/certs_state.py",
     "controlplane/package_pull.py",
     "controlplane/package_store.py",
