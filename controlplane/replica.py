@@ -321,6 +321,13 @@ class Replica:
         ]
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: the replica's own certificate (its gRPC server
+        and exporter from the next handshake, its calls to agents from the next connection) and
+        its etcd client certificate (a new etcd channel; store.reload_credentials)."""
+        self.live_tls.reload()
+        self.store.reload_credentials()
+
     async def stop(self) -> None:
         """Graceful stop: resign leadership at once, leave the registry, stop serving."""
         log.info("replica stopping", name=self.settings.name)
@@ -367,7 +374,7 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
+    loop.add_signal_handler(signal.SIGHUP, replica.reload_certificates)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter, *replica._tasks]
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

@@ -46,9 +46,12 @@ class Message:
     """What each part starts with."""
     sep: str = "\n"
     """What comes between two parts."""
+    english: str | None = field(default=None, compare=False)
+    """The English text as formatted with the values as given (before they were made plain JSON
+    values), so that the text is exactly what an f-string would have made; None: format the template."""
 
     def __str__(self) -> str:
-        return self.text(str)
+        return self.english if self.english is not None else self.text(str)
 
     def text(self, each: Callable[[Message], str]) -> str:
         """The English text, with every part shown by `each` (the client passes its translator)."""
@@ -83,8 +86,13 @@ def _plain(v: object) -> Param:
 
 
 def msg(msg_id: str, template: str, /, **params: object) -> Message:
-    """A message with stable id `msg_id`; non-JSON values are carried as their str()."""
-    return Message(msg_id, template, {k: _plain(v) for k, v in params.items()})
+    """A message with stable id `msg_id`; non-JSON values are carried as their str() (its English
+    text is formatted with the values as given, so `{when:%Y-%m-%d}` or `{path!r}` read as usual)."""
+    plain = {k: _plain(v) for k, v in params.items()}
+    english = render(template, params, fallback=template)
+    return Message(
+        msg_id, template, plain, english=None if english == render(template, plain, template) else english
+    )
 
 
 def msg_list(

@@ -349,3 +349,24 @@ def test_command_output_in_chinese_english_otherwise(tmp_path: Path) -> None:
     # -o json stays English whatever the language
     js = _cli(["-o", "json", "model", "verify", "--package", str(bad)], {"LANG": "zh_CN.UTF-8"}, tmp_path)
     assert json.loads(js.stdout)["error"].startswith("not a package"), js.stdout
+
+
+def test_a_message_reads_exactly_as_the_f_string_it_replaced() -> None:
+    import datetime as dt
+
+    when = dt.datetime(2026, 12, 1, 7, 0, tzinfo=dt.UTC)
+    path, err, data = Path("/etc/x.yaml"), ValueError("bad"), b"2"
+    m = msg(
+        "t.x",
+        "{path!r} at {when:%Y-%m-%d}: {err!r} {data!r} {n:.1f}",
+        path=path,
+        when=when,
+        err=err,
+        data=data,
+        n=2,
+    )
+    assert str(m) == f"{path!r} at {when:%Y-%m-%d}: {err!r} {data!r} {2:.1f}"
+    back = from_metadata(m.to_metadata())  # the values travel as plain JSON (str of each)
+    assert back is not None and back.params["path"] == "/etc/x.yaml" and back.params["n"] == 2
+    plain = msg("t.y", "{a} {b!r}", a=1, b="x")
+    assert plain.english is None and str(plain) == "1 'x'"

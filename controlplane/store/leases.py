@@ -126,8 +126,20 @@ class LeaseKeeper:
                 if s.retired and not s.waiting:
                     self._drop(s)
                     return
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            self._broken(
+                s,
+                TemporaryError(
+                    msg(
+                        "store.lease.stream_ended_reload",
+                        "lease keep-alive stream ended: its channel was closed ({error})",
+                        error=repr(e),
+                    )
+                ),
+            )
         except (grpc.aio.AioRpcError, TemporaryError) as e:
             self._broken(s, e)
 
@@ -212,6 +224,14 @@ class LeaseKeeper:
                         timeout=timeout,
                     )
                 ) from None
+
+    def switch(self, stub: Any) -> None:
+        """Use another channel's LeaseStub (a reloaded client certificate): every open stream is
+        retired (it drains the refreshes written on it), new refreshes open streams on `stub`."""
+        self._stub = stub
+        for slot in self._slots:
+            if slot.stream is not None:
+                self._retire(slot.stream)
 
     async def close(self) -> None:
         for s in [*self._draining, *(slot.stream for slot in self._slots if slot.stream is not None)]:
