@@ -38,6 +38,7 @@ from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.watch_lag import WatchLag
 from kunlun_common import tls
 from kunlun_common.api import (
     agent_pb2_grpc,
@@ -110,6 +111,8 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.watch_lag = WatchLag(self.store, self.feeds.cache, settings.name, settings.watch_heartbeat_s)
+        self.metrics.watch_lag = self.watch_lag.lag_s
         self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
         """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
         self.metrics_server: MetricsServer | None = None
@@ -319,6 +322,8 @@ class Replica:
             asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
+        if self.settings.watch_heartbeat_s > 0:
+            self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 
     def reload_certificates(self) -> None:
