@@ -38,6 +38,7 @@ from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.watch_lag import WatchLag
 from kunlun_common import tls
 from kunlun_common.api import (
     agent_pb2_grpc,
@@ -53,7 +54,7 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
-from kunlun_common.profiling import Profiler
+from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
 from kunlun_common.wire_limits import replica_server_options
@@ -110,8 +111,11 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.watch_lag = WatchLag(self.store, self.feeds.cache, settings.name, settings.watch_heartbeat_s)
+        self.metrics.watch_lag = self.watch_lag.lag_s
         self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
         """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
+        self.metrics.registry.register(ProfilerCollector(self.profiler))
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -184,7 +188,7 @@ class Replica:
         grace = (await stored_config(self.store)).node_not_ready_grace_seconds
         problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
         if problems:
-            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(str(p) for p in problems))
 
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
@@ -319,6 +323,8 @@ class Replica:
             asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
+        if self.settings.watch_heartbeat_s > 0:
+            self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 
     def reload_certificates(self) -> None:

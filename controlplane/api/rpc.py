@@ -44,6 +44,7 @@ from kunlun_common.errors import (
     PermissionRefused,
     TemporaryError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.tls import Identity
 
 if TYPE_CHECKING:
@@ -177,7 +178,9 @@ def rpc_stream(
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
                     await abort(
-                        context, grpc.StatusCode.UNAUTHENTICATED, "the client certificate was revoked"
+                        context,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        msg("auth.revoked_stream", "the client certificate was revoked"),
                     )
                 try:
                     item = nxt.result()
