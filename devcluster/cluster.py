@@ -64,6 +64,9 @@ class ClusterSpec:
     """Extra flags for every gateway."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
+    log_format: str = "json"
+    """`--log-format` of every process: `json` (as in production; what tests parse) or `console`
+    (readable: `make demo`)."""
 
 
 @dataclass
@@ -179,6 +182,7 @@ class LocalCluster:
             f"--node-lease-ttl={s.node_lease_ttl_s}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={s.log_format}",
             *s.replica_args,
         ]
 
@@ -220,6 +224,7 @@ class LocalCluster:
             f"--state-dir={self.base / 'agents' / node}",
             *self.metrics_flag(f"agent-{node}"),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.agent_args,
         ]
 
@@ -249,6 +254,7 @@ class LocalCluster:
             f"--cert-dir={self.bundle('gateway', name)}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.gateway_args,
         ]
 
