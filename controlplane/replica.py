@@ -33,10 +33,12 @@ from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
+from controlplane.profiling_feed import close_profiler
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.watch_lag import WatchLag
 from kunlun_common import tls
 from kunlun_common.api import (
     agent_pb2_grpc,
@@ -52,8 +54,10 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
+from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
+from kunlun_common.wire_limits import replica_server_options
 
 log = structlog.get_logger("replica")
 VERSION = "0.1.0"
@@ -107,6 +111,11 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.watch_lag = WatchLag(self.store, self.feeds.cache, settings.name, settings.watch_heartbeat_s)
+        self.metrics.watch_lag = self.watch_lag.lag_s
+        self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
+        """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
+        self.metrics.registry.register(ProfilerCollector(self.profiler))
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -179,7 +188,7 @@ class Replica:
         grace = (await stored_config(self.store)).node_not_ready_grace_seconds
         problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
         if problems:
-            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(str(p) for p in problems))
 
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
@@ -222,6 +231,7 @@ class Replica:
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                *replica_server_options(),  # the agent channel's limits, mirrored by the agents
             ],
         )
         cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name)
@@ -310,9 +320,19 @@ class Replica:
             asyncio.create_task(self.elector.run(), name="elector"),
             asyncio.create_task(self.sessions.refresh_leases(), name="node-leases"),
             asyncio.create_task(self._keep_registered(), name="replica-lease"),
+            asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
+        if self.settings.watch_heartbeat_s > 0:
+            self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
+
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: the replica's own certificate (its gRPC server
+        and exporter from the next handshake, its calls to agents from the next connection) and
+        its etcd client certificate (a new etcd channel; store.reload_credentials)."""
+        self.live_tls.reload()
+        self.store.reload_credentials()
 
     async def stop(self) -> None:
         """Graceful stop: resign leadership at once, leave the registry, stop serving."""
@@ -322,6 +342,7 @@ class Replica:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await close_profiler(self.profiler)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.lease_revoke(self._lease), 2.0)
         await self.feeds.stop()
@@ -359,7 +380,7 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
+    loop.add_signal_handler(signal.SIGHUP, replica.reload_certificates)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
     watched = [waiter, *replica._tasks]
     done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

@@ -52,6 +52,9 @@ class ClusterSpec:
     """More agent certificates to issue (node names) for tests."""
     replica_args: tuple[str, ...] = ()
     """Extra flags for every replica."""
+    replica_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Extra environment per replica name, e.g. libfaketime's LD_PRELOAD and FAKETIME to run one
+    replica with a skewed wall clock in tests (none by default)."""
     agent_args: tuple[str, ...] = ("--test-engine-fallback", "--stop-engines-on-exit")
     """Extra flags for every agent (the local cluster serves with the test engine when SGLang is
     not installed, and stops its engines when it stops)."""
@@ -61,6 +64,9 @@ class ClusterSpec:
     """Extra flags for every gateway."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
+    log_format: str = "json"
+    """`--log-format` of every process: `json` (as in production; what tests parse) or `console`
+    (readable: `make demo`)."""
 
 
 @dataclass
@@ -82,6 +88,11 @@ class LocalCluster:
     @property
     def cert_dir(self) -> Path:
         return self.base / "certs"
+
+    @property
+    def profile_dir(self) -> Path:
+        """Where every process writes its run-time profiles (when `advanced_profiling` is on)."""
+        return self.base / "profiles"
 
     def bundle(self, role: str, name: str) -> Path:
         """The certificate folder handed to one process: only its own certificate and the CAs."""
@@ -170,6 +181,8 @@ class LocalCluster:
             f"--retry-period={s.retry_period_s}",
             f"--node-lease-ttl={s.node_lease_ttl_s}",
             *self.metrics_flag(name),
+            f"--profile-dir={self.profile_dir}",
+            f"--log-format={s.log_format}",
             *s.replica_args,
         ]
 
@@ -179,7 +192,7 @@ class LocalCluster:
             name = f"replica-{i + 1}"
             addr = f"127.0.0.1:{ports[i]}"
             self.replica_addrs[name] = addr
-            proc = ManagedProcess(name, self.replica_argv(name, addr), self.base / "replicas" / f"{name}.log")
+            proc = self._replica_process(name, addr)
             proc.start()
             self.replicas[name] = proc
         self.save()
@@ -187,12 +200,18 @@ class LocalCluster:
             wait_for(lambda n=name: self.replica_serving(n), timeout, f"replica {name} to serve")
 
     def restart_replica(self, name: str) -> None:
-        proc = ManagedProcess(
-            name, self.replica_argv(name, self.replica_addrs[name]), self.base / "replicas" / f"{name}.log"
-        )
+        proc = self._replica_process(name, self.replica_addrs[name])
         proc.start()
         self.replicas[name] = proc
         self.save()
+
+    def _replica_process(self, name: str, address: str) -> ManagedProcess:
+        return ManagedProcess(
+            name,
+            self.replica_argv(name, address),
+            self.base / "replicas" / f"{name}.log",
+            env=dict(self.spec.replica_env.get(name, {})),
+        )
 
     def agent_argv(self, config: Path, node: str) -> list[str]:
         return [
@@ -204,6 +223,8 @@ class LocalCluster:
             f"--cert-dir={self.bundle('agent', node)}",
             f"--state-dir={self.base / 'agents' / node}",
             *self.metrics_flag(f"agent-{node}"),
+            f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.agent_args,
         ]
 
@@ -232,6 +253,8 @@ class LocalCluster:
             f"--endpoints={','.join(self.endpoints)}",
             f"--cert-dir={self.bundle('gateway', name)}",
             *self.metrics_flag(name),
+            f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.gateway_args,
         ]
 

@@ -32,7 +32,7 @@ from gateway.auth import ApiKeys
 from gateway.backends import Registry
 from gateway.settings import GatewaySettings
 from kunlun_common import tls
-from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2, workload_pb2_grpc
+from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, types_pb2, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
 from kunlun_common.revocation import RevokedSerials
@@ -56,6 +56,7 @@ class ControlPlaneFeed:
         keys: ApiKeys,
         version: str,
         on_change: Callable[[], None] | None = None,
+        on_profiling: Callable[[types_pb2.ProfilingSettings], None] | None = None,
         revoked: RevokedSerials | None = None,
     ) -> None:
         self.settings = settings
@@ -67,6 +68,7 @@ class ControlPlaneFeed:
         self.registry = registry
         self.keys = keys
         self.on_change = on_change
+        self.on_profiling = on_profiling
         self.info = gateway_pb2.GatewayInfo(
             name=settings.name,
             address=settings.advertise_address,
@@ -203,6 +205,8 @@ class ControlPlaneFeed:
                     break
                 self.registry.apply_config(cfg)
                 self.keys.set(list(cfg.key_hashes))
+                if self.on_profiling is not None:
+                    self.on_profiling(cfg.profiling)
                 self.configs += 1
                 self.config_revision = cfg.revision
                 self.config_supported = True

@@ -16,10 +16,12 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
+from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
+from node_agent.executor.cgroups import detect_layout
 from node_agent.executor.hardening import plan_hardening, protect_key_folder, with_engine_user
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.package_cache import PackageCache
@@ -31,7 +33,7 @@ from node_agent.executor.sandbox import (
     detect_protections,
     require_protections,
 )
-from node_agent.metrics import AgentMetrics
+from node_agent.metrics import AgentMetrics, cgroup_usage
 from node_agent.node_service import NodeServiceServer, NodeServiceServicer
 from node_agent.plugins.config import NodeConfig, load_config
 from node_agent.plugins.remote import plugin_socket_dir
@@ -166,8 +168,11 @@ class Agent:
             on_assignments=self.executor.assign,
             reports=self.executor.report,
             report_changed=self.executor.changed,
+            on_profiling=self._profiling,
             revoked=self.revoked,
         )
+        self.profiler = Profiler(settings.profiling, f"agent.{self.config.node_name}")
+        """Run-time profiling, switched by the replicas (scheduler settings) on the stream."""
 
     def _reloaded(self, material: tls.TlsMaterial) -> None:
         """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
@@ -176,6 +181,9 @@ class Agent:
         self.link.reload(material)
         if self.metrics is not None:
             self.metrics.reload(material)
+
+    def _profiling(self, p: types_pb2.ProfilingSettings) -> None:
+        self.profiler.apply(ProfilingMode(p.enabled, p.interval_ms))
 
     def _registration(self) -> agent_pb2.RegisterNode:
         reg = registration(
@@ -240,7 +248,14 @@ class Agent:
             self.devices.devices,
             lambda: [w.status for w in self.executor.workers.values()],
             lambda: bool(self.link.connected_to),
+            # the cgroups the supervisors made: `<cgroup_parent>/<node>/<instance>` in each hierarchy
+            usage=cgroup_usage(
+                detect_layout(), f"{self.settings.executor.cgroup_parent}/{self.config.node_name}"
+            )
+            if self.executor.ctx.cgroups
+            else None,
         )
+        m.registry.register(ProfilerCollector(self.profiler))
         self.metrics = MetricsServer(
             self.settings.metrics_listen, self.tls, m.registry, m.prepare, revoked=self.revoked
         )
@@ -262,6 +277,7 @@ class Agent:
             await self.node_service.stop()
             if self.metrics is not None:
                 await self.metrics.stop()
+            await asyncio.to_thread(self.profiler.close)
             await self.devices.stop()
 
     async def _run(self) -> None:

@@ -30,6 +30,7 @@ from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.server_check import checked_server
+from kunlun_common.wire_limits import agent_channel_options
 from node_agent.assignment_check import safe_assignments
 
 log = structlog.get_logger("link")
@@ -53,6 +54,7 @@ class ReplicaLink:
         on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
+        on_profiling: Callable[[types_pb2.ProfilingSettings], object] | None = None,
         revoked: RevokedSerials | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
@@ -69,6 +71,7 @@ class ReplicaLink:
         self.on_assignments = on_assignments
         self.reports = reports
         self.report_changed = report_changed
+        self.on_profiling = on_profiling
         self.connected_to = ""
         self.registered = asyncio.Event()
         self.last_ack = 0.0
@@ -118,6 +121,7 @@ class ReplicaLink:
                 # only the replica CA is trusted (tls.channel_credentials)
                 ("grpc.keepalive_time_ms", 10000),
                 ("grpc.keepalive_timeout_ms", 3000),
+                *agent_channel_options(),  # the mirror of the replica server's limits
             ],
         )
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
@@ -217,6 +221,12 @@ class ReplicaLink:
                         self.on_assignments(safe_assignments(msg.assignments))
                     except Exception:  # the stream must survive a bad handler
                         log.exception("handling assignments failed")
+            elif kind == "profiling":
+                if self.on_profiling is not None:
+                    try:
+                        self.on_profiling(msg.profiling)
+                    except Exception:
+                        log.exception("switching profiling failed")
 
 
 def registration(
@@ -239,4 +249,5 @@ def registration(
         config_path=config_path,
         node_service=node_service,
         metrics_address=metrics_address,
+        shared_specs=True,
     )

@@ -43,6 +43,7 @@ from kunlun_common.errors import (
     PermissionRefused,
     TemporaryError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.tls import Identity
 
 if TYPE_CHECKING:
@@ -170,7 +171,9 @@ def rpc_stream(
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
                     await abort(
-                        context, grpc.StatusCode.UNAUTHENTICATED, "the client certificate was revoked"
+                        context,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        msg("auth.revoked_stream", "the client certificate was revoked"),
                     )
                 try:
                     item = nxt.result()

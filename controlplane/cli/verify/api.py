@@ -21,6 +21,7 @@ from kunlun_common.api import (
     types_pb2,
     workload_pb2,
 )
+from kunlun_common.i18n import _
 
 NAME_PREFIX = "kunlun-verify-"
 """Every workload a run creates is named `kunlun-verify-<run>-<what>`."""
@@ -38,10 +39,10 @@ class Api:
 
     # ------------------------------------------------------------------------------------- reads
     def devices(self) -> list[types_pb2.Device]:
-        return list(self.client.call(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest()).devices)
+        return self.client.cluster_pages(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest(), "devices")
 
     def nodes(self) -> list[types_pb2.Node]:
-        return list(self.client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest()).nodes)
+        return self.client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
 
     def metrics(self, flt: str = "") -> list[telemetry_pb2.DeviceMetric]:
         resp: telemetry_pb2.DeviceMetricsResponse = self.client.call_stub(
@@ -62,9 +63,7 @@ class Api:
         return resp
 
     def workloads(self) -> list[workload_pb2.WorkloadSummary]:
-        return list(
-            self.client.workloads(lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()).workloads
-        )
+        return self.client.all_workloads()
 
     def workload(self, name: str) -> workload_pb2.WorkloadSummary:
         resp: workload_pb2.WorkloadSummary = self.client.workloads(
@@ -73,10 +72,13 @@ class Api:
         return resp
 
     def gateways(self) -> list[gateway_pb2.GatewayInfo]:
-        resp: gateway_pb2.ListGatewaysResponse = self.client.call_stub(
-            gateway_pb2_grpc.GatewayServiceStub, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest()
+        found: list[gateway_pb2.GatewayInfo] = self.client.pages(
+            gateway_pb2_grpc.GatewayServiceStub,
+            lambda s: s.ListGateways,
+            gateway_pb2.ListGatewaysRequest(),
+            "gateways",
         )
-        return sorted(resp.gateways, key=lambda g: g.name)
+        return sorted(found, key=lambda g: g.name)
 
     # ------------------------------------------------------------------------------------ writes
     def name(self, what: str) -> str:
@@ -85,7 +87,11 @@ class Api:
     def submit(self, spec: workload_pb2.WorkloadSpec) -> workload_pb2.Workload:
         """Create a test workload (its name must start with NAME_PREFIX); remembered for cleanup."""
         if not spec.name.startswith(NAME_PREFIX):
-            raise CliError(f"internal: verify workload names start with {NAME_PREFIX}, found {spec.name}")
+            raise CliError(
+                _("internal: verify workload names start with {name_prefix}, found {name}").format(
+                    name_prefix=NAME_PREFIX, name=spec.name
+                )
+            )
         if spec.name not in self.created_workloads:
             self.created_workloads.append(spec.name)  # before the call: an answer lost on the way
         resp: workload_pb2.SubmitWorkloadResponse = self.client.workloads(
@@ -165,7 +171,11 @@ def poll(what: str, check: Callable[[], bool], timeout_s: float, interval_s: flo
         if check():
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise CliError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise CliError(
+                _("timed out after {timeout_s:.0f} s waiting for {what}").format(
+                    timeout_s=timeout_s, what=what
+                )
+            )
         time.sleep(interval_s)
 
 
