@@ -155,6 +155,14 @@ def auth_enable(args: argparse.Namespace) -> int:
         if args.output == "json":
             print_json({"enabled": True, "endpoint": ep, "prefix": CLUSTER_PREFIX})
         else:
-            print(f"etcd authentication enabled through {ep}: user kunlun may use {CLUSTER_PREFIX} only")
+            print(
+                _("etcd authentication enabled through {endpoint}: user kunlun may use {prefix} only").format(
+                    endpoint=ep, prefix=CLUSTER_PREFIX
+                )
+            )
         return 0
-    raise CliError(f"no etcd member accepted the change ({', '.join(target.endpoints)}): {last}")
+    raise CliError(
+        _("no etcd member accepted the change ({endpoints}): {error}").format(
+            endpoints=", ".join(target.endpoints), error=last
+        )
+    )
