@@ -22,9 +22,14 @@ def up(base: Path, free_ports: bool = False) -> int:
         if stopped:
             print(f"stopped the previous local cluster ({len(stopped)} processes)")
     if free_ports:
-        spec = ClusterSpec(base_dir=base)
+        spec = ClusterSpec(base_dir=base, supervise_replicas=True)
     else:
-        spec = ClusterSpec(base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS)
+        spec = ClusterSpec(
+            base_dir=base,
+            replica_ports=DEMO_REPLICA_PORTS,
+            etcd_ports=DEMO_ETCD_PORTS,
+            supervise_replicas=True,  # a drained replica is started again (systemd: Restart=always)
+        )
     cluster = LocalCluster(spec)
     base.mkdir(parents=True, exist_ok=True)
     print("[1/5] certificates ...", flush=True)

@@ -61,6 +61,10 @@ class ClusterSpec:
     """Extra flags for every gateway."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
+    supervise_replicas: bool = False
+    """Run every replica under devcluster/supervise.py, which starts it again when it exits (as
+    systemd's `Restart=always` does in production; a drained replica exits 0). `make demo` does;
+    tests that kill -9 or pause a replica need its own pid, so the default is off."""
 
 
 @dataclass
@@ -179,17 +183,21 @@ class LocalCluster:
             name = f"replica-{i + 1}"
             addr = f"127.0.0.1:{ports[i]}"
             self.replica_addrs[name] = addr
-            proc = ManagedProcess(name, self.replica_argv(name, addr), self.base / "replicas" / f"{name}.log")
+            proc = self._replica_process(name, addr)
             proc.start()
             self.replicas[name] = proc
         self.save()
         for name in self.replicas:
             wait_for(lambda n=name: self.replica_serving(n), timeout, f"replica {name} to serve")
 
+    def _replica_process(self, name: str, address: str) -> ManagedProcess:
+        argv = self.replica_argv(name, address)
+        if self.spec.supervise_replicas:
+            argv = [sys.executable, "-m", "devcluster.supervise", "--restart-sec=1", "--", *argv]
+        return ManagedProcess(name, argv, self.base / "replicas" / f"{name}.log")
+
     def restart_replica(self, name: str) -> None:
-        proc = ManagedProcess(
-            name, self.replica_argv(name, self.replica_addrs[name]), self.base / "replicas" / f"{name}.log"
-        )
+        proc = self._replica_process(name, self.replica_addrs[name])
         proc.start()
         self.replicas[name] = proc
         self.save()

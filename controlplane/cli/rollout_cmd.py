@@ -66,6 +66,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     ):
         p = rs.add_parser(name, help=helptext, parents=[common])
         p.add_argument("workload")
+        if name == "status":
+            p.add_argument(
+                "--live",
+                action="store_true",
+                help="also analyse the current step now, with the gateways' counters so far",
+            )
         p.set_defaults(handler=fn)
     ls = rs.add_parser("list", help="every rollout", parents=[common])
     ls.set_defaults(handler=list_rollouts)
@@ -111,6 +117,7 @@ def rollout_json(r: rollout_pb2.Rollout) -> dict[str, Any]:
             "min_requests": r.spec.min_requests if r.spec.HasField("min_requests") else None,
         },
         "analysis": analysis_json(r.last_analysis) if r.HasField("last_analysis") else None,
+        "live_analysis": analysis_json(r.live_analysis) if r.HasField("live_analysis") else None,
         "reason": r.reason,
         "created_by": r.created_by,
         "created_at_unix_ms": r.created_at_unix_ms,
@@ -184,7 +191,11 @@ def abort(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    r = _call(args, "GetRollout", rollout_pb2.RolloutRequest(workload=args.workload))
+    r = _call(
+        args,
+        "GetRollout",
+        rollout_pb2.RolloutRequest(workload=args.workload, live_analysis=getattr(args, "live", False)),
+    )
     d = rollout_json(r)
     if args.output == "json":
         print_json(d)
@@ -200,28 +211,32 @@ def status(args: argparse.Namespace) -> int:
             f"canary {d['canary_model']} {d['canary_weight_pct']}%"
         )
     print(f"Step:      {d['step']} of {d['steps'] or 'manual (promote)'}")
-    a = d["analysis"]
-    if a is not None:
-        print(f"Analysis:  {a['verdict']} (step {a['step'] + 1})  {a['reason']}")
-        rows = []
-        for name in ("baseline", "canary"):
-            v = a[name]
-            dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
-            rows.append(
-                [
-                    name,
-                    v["requests"],
-                    f"{v['error_rate']:.2%} ({v['errors']})",
-                    f"{v['p50_ms']:g} ms",
-                    f"{v['p95_ms']:g} ms",
-                    dev,
-                ]
-            )
-        print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
+    for label, a in (("Analysis:", d["analysis"]), ("Live:", d["live_analysis"])):
+        if a is not None:
+            _print_analysis(label, a)
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
     return 0
+
+
+def _print_analysis(label: str, a: dict[str, Any]) -> None:
+    print(f"{label:<10} {a['verdict']} (step {a['step'] + 1})  {a['reason']}")
+    rows = []
+    for name in ("baseline", "canary"):
+        v = a[name]
+        dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
+        rows.append(
+            [
+                name,
+                v["requests"],
+                f"{v['error_rate']:.2%} ({v['errors']})",
+                f"{v['p50_ms']:g} ms",
+                f"{v['p95_ms']:g} ms",
+                dev,
+            ]
+        )
+    print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
 
 
 def list_rollouts(args: argparse.Namespace) -> int:
