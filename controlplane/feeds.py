@@ -19,6 +19,7 @@ from google.protobuf import json_format
 
 from controlplane import keys
 from controlplane.cache import GraphCache, Topic
+from controlplane.profiling_feed import ProfilingFeed
 from controlplane.rollout import CANARY, canary_spec
 from controlplane.store import KV, EtcdStore
 from kunlun_common.api import agent_pb2, rollout_pb2, workload_pb2
@@ -201,8 +202,10 @@ ROUTING = (
     keys.GATEWAY_KEYS,
     keys.GATEWAY_POLICIES,
     keys.REQUEST_ENDPOINTS,
+    keys.SCHEDULER_CONFIG,
 )
-"""What the endpoint and gateway-config feeds are computed from (they wake on nothing else)."""
+"""What the endpoint and gateway-config feeds are computed from (they wake on nothing else; the
+scheduler settings carry the gateways' profiling switch)."""
 
 
 class Feeds:
@@ -213,6 +216,8 @@ class Feeds:
         self.index = AssignmentIndex(self.cache)
         self.routing = self.cache.topic(ROUTING)
         """Notified when endpoints or the gateway configuration may have changed."""
+        self.profiling = ProfilingFeed(self.cache)
+        """The run-time profiling switch (scheduler settings), pushed to agents and gateways."""
         self.store = store
         self.cluster_id = 0
         """The etcd cluster id, sent with every assignment set (agents order sets by it and revision)."""

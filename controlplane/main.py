@@ -43,9 +43,15 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
     p.add_argument(
         "--package-store-quota-bytes", type=int, help="most bytes of packages in the cluster store"
     )
+    p.add_argument(
+        "--profile-dir",
+        help="folder of run-time profiles (Chrome trace files), written while the scheduler settings switch advanced_profiling on",
+    )
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
     source = a.config or "flags"
+    if a.profile_dir is not None:
+        data["profiling"] = {**(data.get("profiling") or {}), "dir": a.profile_dir}
     for flag, key in (
         ("name", "name"),
         ("listen", "listen"),

@@ -81,6 +81,15 @@ def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[s
     return problems
 
 
+def refresh_period_s(settings: ReplicaSettings) -> float:
+    """How often node leases are refreshed: a third of the lease, and at most half the heartbeat
+    ack window. A node is refreshed at most `period * 1.5` after its previous refresh (rounds spread
+    their refreshes over the first half of the period), so with a lease longer than the ack window
+    (e.g. node_lease_ttl_s 10, heartbeat_ack_requires_etcd_s 3) acks were withheld in steady state
+    whenever the period alone (3.3 s) exceeded the window."""
+    return min(settings.node_lease_ttl_s / 3, settings.heartbeat_ack_requires_etcd_s / 2)
+
+
 class NodeSessions:
     """Registrations, heartbeats and lease refreshes for the agents connected to this replica."""
 
@@ -275,7 +284,7 @@ class NodeSessions:
         A round does not wait for the previous one: one slow keep-alive must not delay every other
         node's next refresh (which would withhold their heartbeat acks). A node whose refresh is
         still in flight is skipped for the round; each refresh logs its own failure."""
-        period = self.settings.node_lease_ttl_s / 3
+        period = refresh_period_s(self.settings)
         inflight: dict[str, asyncio.Task[bool]] = {}
         try:
             while True:

@@ -34,6 +34,7 @@ from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
 from controlplane.nodes import NodeSessions
+from controlplane.profiling_feed import close_profiler
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
@@ -53,6 +54,7 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
+from kunlun_common.profiling import Profiler
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
 
@@ -110,6 +112,8 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
+        """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -330,6 +334,7 @@ class Replica:
             asyncio.create_task(self.elector.run(), name="elector"),
             asyncio.create_task(self.sessions.refresh_leases(), name="node-leases"),
             asyncio.create_task(self._keep_registered(), name="replica-lease"),
+            asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
@@ -401,6 +406,7 @@ class Replica:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await close_profiler(self.profiler)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.lease_revoke(self._lease), 2.0)
         await self.feeds.stop()

@@ -8,6 +8,7 @@ from controlplane.audit import AuditSettings
 from controlplane.election import ElectionSettings
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, etcd_client_paths, paths_for
+from kunlun_common.trace_ring import ProfileOutput
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class ReplicaSettings:
     """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
     agent talking to a replica cut off from etcd moves to another replica. It counts in the fencing
     budget (an agent may hear its last ack this long after the lease's last refresh), so keep it
-    well under the lease: above a refresh (node_lease_ttl_s / 3) plus an etcd round trip."""
+    well under the lease. Node leases are refreshed every min(node_lease_ttl_s / 3, this / 2)
+    seconds, so acks keep flowing whatever the lease."""
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""
@@ -64,6 +66,9 @@ class ReplicaSettings:
     """Most bytes of packages the cluster's store index may hold (each package counted once)."""
     audit: AuditSettings = field(default_factory=AuditSettings)
     """Retention of the audit log (`kunlun-cli audit`): most records and oldest age kept."""
+    profiling: ProfileOutput = field(default_factory=ProfileOutput)
+    """Where run-time profiles go when the scheduler settings switch `advanced_profiling` on: folder,
+    most files kept, most bytes per file (`--profile-dir` sets the folder)."""
 
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:

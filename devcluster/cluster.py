@@ -87,6 +87,11 @@ class LocalCluster:
     def cert_dir(self) -> Path:
         return self.base / "certs"
 
+    @property
+    def profile_dir(self) -> Path:
+        """Where every process writes its run-time profiles (when `advanced_profiling` is on)."""
+        return self.base / "profiles"
+
     def bundle(self, role: str, name: str) -> Path:
         """The certificate folder handed to one process: only its own certificate and the CAs."""
         return bundle(self.cert_dir, self.base / "bundles" / name, role, name)
@@ -174,6 +179,7 @@ class LocalCluster:
             f"--retry-period={s.retry_period_s}",
             f"--node-lease-ttl={s.node_lease_ttl_s}",
             *self.metrics_flag(name),
+            f"--profile-dir={self.profile_dir}",
             *s.replica_args,
         ]
 
@@ -212,6 +218,7 @@ class LocalCluster:
             f"--cert-dir={self.bundle('agent', node)}",
             f"--state-dir={self.base / 'agents' / node}",
             *self.metrics_flag(f"agent-{node}"),
+            f"--profile-dir={self.profile_dir}",
             *self.spec.agent_args,
         ]
 
@@ -240,6 +247,7 @@ class LocalCluster:
             f"--endpoints={','.join(self.endpoints)}",
             f"--cert-dir={self.bundle('gateway', name)}",
             *self.metrics_flag(name),
+            f"--profile-dir={self.profile_dir}",
             *self.spec.gateway_args,
         ]
 

@@ -12,6 +12,8 @@ If any of them fails (replica killed, paused, cut off from etcd, stream closed),
 the next replica, which sends full snapshots again. The last snapshot stays in use meanwhile: losing
 the control plane never stops the data plane. A replica without GatewayService (older release) still
 feeds endpoints; then policies are the defaults and, if keys are required, requests get 503.
+Before each session the gateway checks the certificate the replica presents against its revocation
+list (`server_check.py`), and leaves a replica whose certificate is revoked during the session.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from gateway.auth import ApiKeys
 from gateway.backends import Registry
 from gateway.settings import GatewaySettings
 from kunlun_common import tls
-from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2, workload_pb2_grpc
+from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, types_pb2, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
+from kunlun_common.revocation import RevokedSerials
+from kunlun_common.server_check import checked_server
 
 log = structlog.get_logger("gateway.feed")
 _EOF = grpc.aio.EOF  # type: ignore[attr-defined]
@@ -52,13 +56,19 @@ class ControlPlaneFeed:
         keys: ApiKeys,
         version: str,
         on_change: Callable[[], None] | None = None,
+        on_profiling: Callable[[types_pb2.ProfilingSettings], None] | None = None,
+        revoked: RevokedSerials | None = None,
     ) -> None:
         self.settings = settings
         self.endpoints = list(settings.endpoints)
+        self.material = material
         self.creds = tls.channel_credentials(material)
+        self.revoked = revoked
+        self.server_serial = ""
         self.registry = registry
         self.keys = keys
         self.on_change = on_change
+        self.on_profiling = on_profiling
         self.info = gateway_pb2.GatewayInfo(
             name=settings.name,
             address=settings.advertise_address,
@@ -78,6 +88,7 @@ class ControlPlaneFeed:
     def status(self) -> dict[str, object]:
         return {
             "connected_to": self.connected_to,
+            "replica_serial": self.server_serial,
             "replica": self.replica_name,
             "sessions": self.sessions,
             "snapshots": self.snapshots,
@@ -113,7 +124,17 @@ class ControlPlaneFeed:
             if failures % n == 0:
                 await asyncio.sleep(backoff_delay(failures // n, 0.2, 3.0))
 
+    def reload(self, material: tls.TlsMaterial) -> None:
+        """New client certificate (SIGHUP): used from the next session on."""
+        self.material = material
+        self.creds = tls.channel_credentials(material)
+
     async def _session(self, ep: str) -> None:
+        self.server_serial = ""
+        if self.revoked is not None:
+            self.server_serial = await checked_server(
+                ep, self.material, self.revoked.serials, connect_timeout_s=self.settings.feed_timeout_s
+            )
         channel = grpc.aio.secure_channel(
             ep,
             self.creds,
@@ -141,6 +162,12 @@ class ControlPlaneFeed:
                 asyncio.create_task(self._config(gw), name="gateway-config"),
                 asyncio.create_task(self._heartbeat(gw), name="gateway-heartbeat"),
             ]
+            if self.revoked is not None:
+                tasks.append(
+                    asyncio.create_task(
+                        self.revoked.wait_revoked(ep, self.server_serial), name="gateway-replica-revoked"
+                    )
+                )
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 t.result()
@@ -178,6 +205,8 @@ class ControlPlaneFeed:
                     break
                 self.registry.apply_config(cfg)
                 self.keys.set(list(cfg.key_hashes))
+                if self.on_profiling is not None:
+                    self.on_profiling(cfg.profiling)
                 self.configs += 1
                 self.config_revision = cfg.revision
                 self.config_supported = True

@@ -20,9 +20,10 @@ from gateway.metrics import GatewayExport, PoolRow
 from gateway.proxy import Proxy
 from gateway.settings import GatewaySettings, is_loopback, split_host_port
 from kunlun_common import revocation
-from kunlun_common.api import workload_pb2
+from kunlun_common.api import types_pb2, workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
 from kunlun_common.logs import log_json, setup_logging
+from kunlun_common.profiling import Profiler, ProfilingMode
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 from kunlun_common.tls import TlsMaterial
@@ -62,6 +63,11 @@ class Gateway:
         """The HTTPS listener's certificate (tls_cert/tls_key), reloaded on SIGHUP."""
         self.revoked = RevokedSerials()
         """Revoked serials, fetched from the replicas (the metrics exporter refuses them)."""
+        self.profiler = Profiler(settings.profiling, f"gateway.{settings.name}")
+        """Run-time profiling, switched by the replicas (scheduler settings) in the gateway config."""
+
+    def _profiling(self, p: types_pb2.ProfilingSettings) -> None:
+        self.profiler.apply(ProfilingMode(p.enabled, p.interval_ms))
 
     def reload_certificates(self) -> None:
         """SIGHUP after `kunlun-cli certs rotate`: re-read the HTTPS certificate (tls_cert/tls_key:
@@ -71,7 +77,6 @@ class Gateway:
             self.https.reload()
         if self.material is None:
             return
-        from kunlun_common import tls
         from kunlun_common.reload import LiveTls
 
         live = LiveTls(self.material, expect_roles=("gateway",))
@@ -79,7 +84,7 @@ class Gateway:
             return
         self.material = live.material
         if self.feed is not None:
-            self.feed.creds = tls.channel_credentials(self.material)
+            self.feed.reload(self.material)
         if self.metrics is not None:
             self.metrics.reload(self.material)
 
@@ -148,7 +153,16 @@ class Gateway:
         if self.material is not None and s.endpoints:
             from gateway.feed import ControlPlaneFeed
 
-            self.feed = ControlPlaneFeed(s, self.material, self.registry, self.keys, VERSION, self._changed)
+            self.feed = ControlPlaneFeed(
+                s,
+                self.material,
+                self.registry,
+                self.keys,
+                VERSION,
+                self._changed,
+                self._profiling,
+                revoked=self.revoked,
+            )
             self.feed.info.metrics_address = self.metrics_address
             self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
             self._tasks.append(
@@ -231,6 +245,7 @@ class Gateway:
         self.registry.close()
         if self.metrics is not None:
             await self.metrics.stop()
+        await asyncio.to_thread(self.profiler.close)
 
 
 def _raise_open_files(connections: int) -> None:
@@ -310,8 +325,14 @@ def build_settings(argv: list[str] | None = None) -> GatewaySettings:
         choices=["json", "console"],
         help="log lines as JSON or readable (default: JSON unless a tty)",
     )
+    p.add_argument(
+        "--profile-dir",
+        help="folder of run-time profiles (Chrome trace files), written while the scheduler settings switch advanced_profiling on",
+    )
     a = p.parse_args(argv)
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
+    if a.profile_dir is not None:
+        data["profiling"] = {**(data.get("profiling") or {}), "dir": a.profile_dir}
     for flag, key in (
         ("name", "name"),
         ("listen", "listen"),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.pki import CertPaths, paths_for
+from kunlun_common.trace_ring import ProfileOutput
 from kunlun_common.traffic import ROUTING_POLICIES
 
 POLICIES = ROUTING_POLICIES
@@ -176,6 +177,9 @@ class GatewaySettings:
     log_format: str = ""
     """`json` (one JSON object a line, for production), `console` (readable), or empty: JSON unless
     stderr is a terminal."""
+    profiling: ProfileOutput = field(default_factory=ProfileOutput)
+    """Where run-time profiles go when the scheduler settings switch `advanced_profiling` on: folder,
+    most files kept, most bytes per file (`--profile-dir` sets the folder)."""
 
     def __post_init__(self) -> None:
         listen_host, _ = split_host_port(self.listen, "listen")

@@ -1,23 +1,32 @@
 """The revocation list as agents and gateways hold it: fetched from the replicas every few seconds
 (`SecurityService.ListRevocations`) and checked against the serial of each client certificate
-they are presented (the agent's NodeService, every process's metrics exporter).
+they are presented (the agent's NodeService, every process's metrics exporter) and of each
+replica they connect to (`server_check.py`).
 
 grpc-python offers no certificate-verification hook, so the check happens on the verified peer
 certificate after the handshake, before any work is done for the caller. If the replicas cannot be
 reached the last list fetched stays in force (revocations are never forgotten for lack of news).
+
+The list only grows within a process: a revocation is permanent (the control plane has no
+"unrevoke"), so what one replica reported stays in force even if another reports less. The fetch
+moves to the next replica at every poll, so one replica that hides revocations (a compromised one,
+or one whose own certificate was revoked) cannot keep them from a process for more than one
+round; a replica whose own certificate is on the list is never asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+import ssl
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 import structlog
 from cryptography import x509
 
 from kunlun_common.api import security_pb2, security_pb2_grpc
+from kunlun_common.server_check import RevokedServer, checked_server
 from kunlun_common.tls import TlsMaterial, channel_credentials
 
 log = structlog.get_logger("revocation")
@@ -26,21 +35,30 @@ POLL_S = 2.0
 
 
 class RevokedSerials:
-    """Revoked certificate serials (lower-case hex), replaced whole on each fetch."""
+    """Revoked certificate serials (lower-case hex), as fetched from the replicas (only grows)."""
 
-    def __init__(self) -> None:
-        self.serials: frozenset[str] = frozenset()
+    def __init__(self, serials: Iterable[str] = ()) -> None:
+        self.serials: frozenset[str] = frozenset(serials)
         self.fetches = 0
+        self._changed = asyncio.Event()
 
     def update(self, serials: Sequence[str]) -> None:
-        new = frozenset(serials)
+        new = self.serials | frozenset(s.lower().lstrip("0") for s in serials)
         if new != self.serials:
             log.info("revocation list updated", size=len(new), added=sorted(new - self.serials)[:10])
-        self.serials = new
+            self.serials = new
+            self._changed.set()  # wakes the current waiters; later ones wait on a fresh event
+            self._changed = asyncio.Event()
         self.fetches += 1
 
     def revoked(self, cert: x509.Certificate) -> bool:
         return f"{cert.serial_number:x}" in self.serials
+
+    async def wait_revoked(self, address: str, serial: str) -> None:
+        """Return never while `serial` (a server's) stays unrevoked; raise RevokedServer once it is."""
+        while serial not in self.serials:
+            await self._changed.wait()
+        raise RevokedServer(f"{address}'s certificate {serial} was revoked; leaving it for another replica")
 
 
 async def follow(
@@ -49,36 +67,52 @@ async def follow(
     revoked: RevokedSerials,
     interval_s: float = POLL_S,
 ) -> None:
-    """Fetch the list from any replica every `interval_s` (with jitter) until cancelled.
+    """Fetch the list from a replica every `interval_s` (with jitter), a different replica each
+    time, until cancelled. A replica that cannot be verified, presents a revoked certificate or
+    does not answer is skipped for the next one.
 
-    `material` returns the process's current certificate (it changes on reload); a new channel is
-    opened when it does or when a replica stops answering."""
-    channel: grpc.aio.Channel | None = None
-    key: tuple[str, int] | None = None
-    start = random.randrange(len(endpoints)) if endpoints else 0
+    `material` returns the process's current certificate (it changes on reload). One channel per
+    replica is kept; it is opened after checking the certificate the replica presents (one extra
+    TLS handshake per channel) and closed when that certificate is revoked, when the replica stops
+    answering, or when our own certificate changed."""
+    n = len(endpoints)
+    start = random.randrange(n) if n else 0
+    channels: dict[str, tuple[grpc.aio.Channel, int, str]] = {}
+
+    async def drop(ep: str) -> None:
+        held = channels.pop(ep, None)
+        if held is not None:
+            await held[0].close(None)
+
     try:
         while True:
-            for i in range(len(endpoints)):
-                ep = endpoints[(start + i) % len(endpoints)]
+            for i in range(n):
+                ep = endpoints[(start + i) % n]
                 m = material()
-                if channel is None or key != (ep, id(m)):
-                    if channel is not None:
-                        await channel.close(None)
-                    channel, key = grpc.aio.secure_channel(ep, channel_credentials(m)), (ep, id(m))
+                held = channels.get(ep)
+                if held is not None and (held[1] != id(m) or held[2] in revoked.serials):
+                    await drop(ep)
+                    held = None
+                if held is None:
+                    try:
+                        serial = await checked_server(ep, m, revoked.serials)
+                    except (RevokedServer, ssl.SSLError, OSError) as e:
+                        log.debug("revocation list not fetched from this replica", replica=ep, reason=str(e))
+                        continue
+                    held = channels[ep] = (grpc.aio.secure_channel(ep, channel_credentials(m)), id(m), serial)
                 try:
-                    resp = await security_pb2_grpc.SecurityServiceStub(channel).ListRevocations(
+                    resp = await security_pb2_grpc.SecurityServiceStub(held[0]).ListRevocations(
                         security_pb2.ListRevocationsRequest(), timeout=3.0
                     )
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a replica of an older release
                         break
-                    await channel.close(None)
-                    channel = None
+                    await drop(ep)
                     continue  # the next replica
                 revoked.update([r.serial for r in resp.revocations])
-                start = (start + i) % len(endpoints)  # stay with the replica that answered
+                start = (start + i + 1) % n  # the next poll asks the next replica
                 break
             await asyncio.sleep(interval_s * random.uniform(0.8, 1.2))
     finally:
-        if channel is not None:
-            await channel.close(None)
+        for ep in list(channels):
+            await drop(ep)

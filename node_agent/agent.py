@@ -16,6 +16,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
+from kunlun_common.profiling import Profiler, ProfilingMode
 from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
@@ -166,15 +167,22 @@ class Agent:
             on_assignments=self.executor.assign,
             reports=self.executor.report,
             report_changed=self.executor.changed,
+            on_profiling=self._profiling,
+            revoked=self.revoked,
         )
+        self.profiler = Profiler(settings.profiling, f"agent.{self.config.node_name}")
+        """Run-time profiling, switched by the replicas (scheduler settings) on the stream."""
 
     def _reloaded(self, material: tls.TlsMaterial) -> None:
         """SIGHUP after `certs rotate`: the next connection to a replica and every new handshake
         at the NodeService and the exporter use the new certificate; the open stream carries on."""
         self.tls = material
-        self.link.creds = tls.channel_credentials(material)
+        self.link.reload(material)
         if self.metrics is not None:
             self.metrics.reload(material)
+
+    def _profiling(self, p: types_pb2.ProfilingSettings) -> None:
+        self.profiler.apply(ProfilingMode(p.enabled, p.interval_ms))
 
     def _registration(self) -> agent_pb2.RegisterNode:
         reg = registration(
@@ -261,6 +269,7 @@ class Agent:
             await self.node_service.stop()
             if self.metrics is not None:
                 await self.metrics.stop()
+            await asyncio.to_thread(self.profiler.close)
             await self.devices.stop()
 
     async def _run(self) -> None:

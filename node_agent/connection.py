@@ -7,6 +7,10 @@ A replica that
 does not answer the registration within `connect_timeout_s`, or stops acknowledging heartbeats for
 `ack_timeout_s` (dead, SIGSTOPped, cut off, or itself cut off from etcd), is left for the next one
 in the list. The agent never talks to etcd.
+
+Before each stream the agent checks the certificate the replica presents against the revocation
+list it holds (`server_check.py`: grpc-python does not show a client the server's certificate),
+and leaves a replica whose certificate is revoked while the stream is open.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from kunlun_common import tls
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
+from kunlun_common.revocation import RevokedSerials
+from kunlun_common.server_check import checked_server
 from node_agent.assignment_check import safe_assignments
 
 log = structlog.get_logger("link")
@@ -47,9 +53,15 @@ class ReplicaLink:
         on_assignments: Callable[[agent_pb2.Assignments], object] | None = None,
         reports: Callable[[], agent_pb2.InstanceReport] | None = None,
         report_changed: asyncio.Event | None = None,
+        on_profiling: Callable[[types_pb2.ProfilingSettings], object] | None = None,
+        revoked: RevokedSerials | None = None,
     ) -> None:
         self.endpoints = list(endpoints)
+        self.material = material
         self.creds = tls.channel_credentials(material)
+        self.revoked = revoked
+        self.server_serial = ""
+        """The serial of the certificate the current replica presented (when checked)."""
         self.register = register
         self.samples = samples
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -58,6 +70,7 @@ class ReplicaLink:
         self.on_assignments = on_assignments
         self.reports = reports
         self.report_changed = report_changed
+        self.on_profiling = on_profiling
         self.connected_to = ""
         self.registered = asyncio.Event()
         self.last_ack = 0.0
@@ -88,7 +101,17 @@ class ReplicaLink:
             if failures % len(self.endpoints) == 0:
                 await asyncio.sleep(backoff_delay(failures // len(self.endpoints), 0.2, 3.0))
 
+    def reload(self, material: tls.TlsMaterial) -> None:
+        """New client certificate (SIGHUP): used from the next connection on."""
+        self.material = material
+        self.creds = tls.channel_credentials(material)
+
     async def _session(self, ep: str) -> None:
+        self.server_serial = ""
+        if self.revoked is not None:
+            self.server_serial = await checked_server(
+                ep, self.material, self.revoked.serials, connect_timeout_s=self.connect_timeout_s
+            )
         channel = grpc.aio.secure_channel(
             ep,
             self.creds,
@@ -137,6 +160,8 @@ class ReplicaLink:
                 if reader.done():
                     reader.result()
                     raise LinkError(f"{ep} closed the stream")
+                if self.revoked is not None and self.server_serial in self.revoked.serials:
+                    raise LinkError(f"{ep}'s certificate {self.server_serial} was revoked")
                 silent = time.monotonic() - self.last_ack
                 if silent > self.ack_timeout_s:
                     raise LinkError(
@@ -194,6 +219,12 @@ class ReplicaLink:
                         self.on_assignments(safe_assignments(msg.assignments))
                     except Exception:  # the stream must survive a bad handler
                         log.exception("handling assignments failed")
+            elif kind == "profiling":
+                if self.on_profiling is not None:
+                    try:
+                        self.on_profiling(msg.profiling)
+                    except Exception:
+                        log.exception("switching profiling failed")
 
 
 def registration(

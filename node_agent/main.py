@@ -9,6 +9,7 @@ import sys
 
 from kunlun_common.errors import ConfigError
 from kunlun_common.logs import log_json, setup_logging
+from kunlun_common.trace_ring import ProfileOutput
 from node_agent.settings import AgentSettings, ExecutorSettings
 
 SCHEDULER_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
@@ -35,6 +36,11 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         "--metrics-listen",
         default="",
         help="host:port of the Prometheus exporter (HTTPS, `monitoring` client certificates; port 0: free)",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default="",
+        help="folder of run-time profiles (Chrome trace files), written while the scheduler settings switch advanced_profiling on",
     )
     e = p.add_argument_group("engines")
     d = ExecutorSettings()
@@ -212,6 +218,7 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         executor=executor,
         require_signed_config=a.require_signed_config,
         trusted_keys_dir=a.trusted_keys,
+        profiling=ProfileOutput(dir=a.profile_dir),
     )
 
 

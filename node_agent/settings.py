@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kunlun_common.trace_ring import ProfileOutput
+
 
 @dataclass(frozen=True)
 class ExecutorSettings:
@@ -99,3 +101,6 @@ class AgentSettings:
     """Load the device declaration only with a valid detached signature (`FILE.sig`) by a trusted key."""
     trusted_keys_dir: str = ""
     """Folder of trusted Ed25519 public keys (*.pub) for signed declarations."""
+    profiling: ProfileOutput = field(default_factory=ProfileOutput)
+    """Where run-time profiles go when the scheduler settings switch `advanced_profiling` on: folder,
+    most files kept, most bytes per file (`--profile-dir` sets the folder)."""

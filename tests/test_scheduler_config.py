@@ -77,8 +77,8 @@ def test_unknown_key_without_a_close_match_lists_the_keys() -> None:
         "scheduler_config.yaml: 1 problem:\n"
         "  - zzz: expected a known key (known: policy, priority_weights, min_gpu_utilization_threshold, "
         "temperature_limit_c, preemption_enabled_for, node_not_ready_grace_seconds, "
-        "device_unhealthy_grace_seconds, pause_moves_not_ready_fraction, max_placements_per_commit), "
-        "found an unknown key"
+        "device_unhealthy_grace_seconds, pause_moves_not_ready_fraction, max_placements_per_commit, "
+        "advanced_profiling, profiling_interval_ms), found an unknown key"
     )
 
 
@@ -198,6 +198,8 @@ def test_weights_must_cover_every_priority_when_built_directly() -> None:
             preemption_enabled_for=(),
             max_placements_per_commit=1,
             temperature_limit_c=95.0,
+            advanced_profiling=True,
+            profiling_interval_ms=5,
         ),
     ],
 )
@@ -220,6 +222,8 @@ def test_to_yaml_text() -> None:
         "device_unhealthy_grace_seconds: 10.0\n"
         "pause_moves_not_ready_fraction: 0.5\n"
         "max_placements_per_commit: 50\n"
+        "advanced_profiling: false\n"
+        "profiling_interval_ms: 50\n"
     )
 
 

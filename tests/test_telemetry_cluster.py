@@ -2,7 +2,8 @@
 refuses other roles; a real Prometheus (Debian's, on a free port, configured from deploy/monitoring
 with targets from `kunlun-cli telemetry targets`) answers PromQL about devices, the scheduler and
 the gateways' traffic per version, and fires the device alert when the stand-in tool reports a
-device Critical; `telemetry metrics --filter` selects exactly the matching devices."""
+device Critical; `telemetry metrics --filter` selects exactly the matching devices; run-time
+profiling switches on and off in every process without restart."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 import ssl
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ from kunlun_common.pki import paths_for
 from tests.prom_helpers import Prometheus, promtool, scrape, scrape_roots, tls_context
 from tests.sched_helpers import delete_all, get, submit
 from tests.test_monitoring_rules import EXPORTED, family
+from tests.test_profiling import check_nesting, markers, process_files, read_trace
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +263,71 @@ def test_device_set_unhealthy_fires_its_alert(prometheus: Prometheus, cluster: L
     finally:
         update_chip(state, "ascend", 2, health="OK")
     wait_for(lambda: not prometheus.firing("KunlunDeviceUnhealthy"), 60, "the alert to resolve", interval=0.5)
+
+
+def _trace_state(folder: Path, process: str) -> tuple[list[dict[str, Any]], list[Path]]:
+    files = process_files(folder, process)
+    events: list[dict[str, Any]] = []
+    for p in files:
+        events.extend(read_trace(p))
+    return events, files
+
+
+def test_profiling_toggles_at_run_time_in_every_process(cli_config: Path, cluster: LocalCluster) -> None:
+    """`scheduler config set advanced_profiling=true`: every replica, agent and gateway (the same
+    processes, no restart) writes Chrome trace files within one interval plus the propagation slack;
+    off: a stop marker, then nothing more."""
+    procs = {
+        **{f"replica.{n}": p for n, p in cluster.replicas.items()},
+        **{f"agent.{n}": p for n, p in cluster.agents.items()},
+        **{f"gateway.{n}": p for n, p in cluster.gateways.items()},
+    }
+    assert len(procs) == 8
+    pids = {name: p.pid for name, p in procs.items()}
+    folder = cluster.profile_dir
+    before = {name: len(process_files(folder, name)) for name in procs}
+    interval_s, slack_s = 0.05, 20.0
+    t0 = time.monotonic()
+    cli(cli_config, "scheduler", "config", "set", "advanced_profiling=true", "profiling_interval_ms=50")
+    started: dict[str, float] = {}
+
+    def all_started() -> bool:
+        for name in procs:
+            if name not in started:
+                files = process_files(folder, name)
+                if len(files) > before[name] and markers(read_trace(files[-1]), "profiling started"):
+                    started[name] = time.monotonic() - t0
+        return len(started) == len(procs)
+
+    wait_for(all_started, interval_s + slack_s, "every process to start profiling", interval=0.02)
+    print(f"profiling on -> first trace file: max {max(started.values()):.2f} s after the set command")
+    for name, proc in procs.items():
+        events = read_trace(process_files(folder, name)[-1])
+        start = markers(events, "profiling started")[0]
+        assert start["pid"] == pids[name] == proc.pid and proc.alive(), f"{name} restarted"
+        assert start["args"] == {"interval_ms": 50}
+    # samples arrive (complete events of the process's own code), nested as trace viewers require
+    wait_for(
+        lambda: all(any(e.get("ph") == "X" for e in _trace_state(folder, n)[0]) for n in procs),
+        30,
+        "samples in every process's traces",
+    )
+    for name in procs:
+        check_nesting(_trace_state(folder, name)[0])
+    cli(cli_config, "scheduler", "config", "set", "advanced_profiling=false")
+    wait_for(
+        lambda: all(markers(read_trace(process_files(folder, n)[-1]), "profiling stopped") for n in procs),
+        interval_s + slack_s,
+        "every process to stop profiling",
+        interval=0.02,
+    )
+    frozen = {name: {p: p.stat().st_size for p in process_files(folder, name)} for name in procs}
+    time.sleep(1.5)  # 30 intervals and a flush period: a profiler still sampling would have written
+    for name in procs:
+        assert {p: p.stat().st_size for p in process_files(folder, name)} == frozen[name], name
+        events, files = _trace_state(folder, name)
+        stop = markers(read_trace(files[-1]), "profiling stopped")[-1]["ts"]
+        assert max(e.get("ts", 0) for e in read_trace(files[-1])) <= stop
+        assert len(files) <= 8  # the default ring: 8 files of at most 4 MiB
+        assert all(p.stat().st_size <= 4 * 2**20 for p in files)
+        assert procs[name].alive() and procs[name].pid == pids[name]

@@ -1,8 +1,8 @@
 """AgentService: the one long-lived stream per node agent.
 
 Agent -> replica: a RegisterNode, then heartbeats (with device samples) and instance reports.
-Replica -> agent: the registration ack, heartbeat acks, and the node's full assignment set
-whenever it changes.
+Replica -> agent: the registration ack, heartbeat acks, the node's full assignment set whenever it
+changes, and the run-time profiling switch (scheduler settings) whenever it changes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from controlplane.api.rpc import Servicer, rpc_stream
 from controlplane.feeds import Feeds
 from controlplane.nodes import NodeSession, NodeSessions, validate_registration
 from controlplane.report_owner import owned_report
-from kunlun_common.api import agent_pb2, agent_pb2_grpc
+from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.errors import KunlunError
 from kunlun_common.tls import Identity
 
@@ -70,6 +70,7 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             self._read(request_iterator, session, out), name=f"agent-reader-{session.node}"
         )
         pusher = asyncio.create_task(self._push_assignments(session, out), name=f"assignments-{session.node}")
+        profiling = asyncio.create_task(self._push_profiling(out), name=f"profiling-{session.node}")
         try:
             while True:
                 msg = await out.get()
@@ -77,9 +78,9 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                     break
                 yield msg
         finally:
-            for t in (reader, pusher):
+            for t in (reader, pusher, profiling):
                 t.cancel()
-            for t in (reader, pusher):
+            for t in (reader, pusher, profiling):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             await self.sessions.disconnect(session)
@@ -132,3 +133,16 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                 await topic.wait(seen)
         finally:
             index.unsubscribe(session.node)
+
+    async def _push_profiling(self, out: asyncio.Queue[agent_pb2.ReplicaMessage | None]) -> None:
+        """Send the profiling switch after registration and whenever the scheduler settings change it."""
+        feed = self.feeds.profiling
+        last: types_pb2.ProfilingSettings | None = None
+        await self.feeds.cache.ready.wait()
+        while True:
+            seen = feed.topic.version
+            current = feed.current()
+            if current != last:
+                last = current
+                out.put_nowait(agent_pb2.ReplicaMessage(profiling=current))
+            await feed.topic.wait(seen)

@@ -236,6 +236,7 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
             policies=sorted(routing, key=lambda p: p.workload),
             workloads=route_states(workloads, self.feeds.instances()),
             revision=cache.revision,
+            profiling=self.feeds.profiling.current(),
         )
 
     @rpc_stream

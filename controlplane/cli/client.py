@@ -12,7 +12,8 @@ from kunlun_common.api import cluster_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.errors import KunlunError
 from kunlun_common.i18n import _, localize
 from kunlun_common.messages import from_metadata
-from kunlun_common.pki import CertPaths
+from kunlun_common.pki import ETCD_CRL, CertPaths
+from kunlun_common.server_check import presented_certificate, serial_hex, serials_in_crl
 from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
 
 T = TypeVar("T")
@@ -22,6 +23,23 @@ _FAILOVER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 class CliError(KunlunError):
     """One clear line for stderr."""
+
+
+class RefusedReplica(grpc.RpcError):
+    """A replica refused before calling it (its certificate is revoked): try the next one."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self.detail
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
 
 
 class Client:
@@ -34,8 +52,44 @@ class Client:
         self.tls: TlsMaterial = load_tls(CertPaths(Path(cfg.ca), Path(cfg.cert), Path(cfg.key), replica_ca))
         self.creds = channel_credentials(self.tls)
         self.answered_by = ""
+        self.revoked = self._revocation_list()
+
+    def _revocation_list(self) -> frozenset[str] | None:
+        """Serials to refuse in replicas (None: no list configured nor beside the CA)."""
+        from pathlib import Path
+
+        path = Path(self.cfg.crl) if self.cfg.crl else Path(self.cfg.ca).parent / ETCD_CRL
+        if not self.cfg.crl and not path.exists():
+            return None
+        try:
+            return serials_in_crl(path)
+        except (OSError, ValueError) as e:
+            raise CliError(
+                _("revocation list {path} cannot be read ({error}); fix or remove the `crl` setting").format(
+                    path=path, error=e
+                )
+            ) from None
+
+    def refused(self, endpoint: str) -> str:
+        """Why the replica at `endpoint` is refused before calling it ("" if it is not): it presents
+        a revoked certificate, or cannot be verified (grpc-python shows no server certificate to a
+        client, so one TLS handshake of our own reads it; server_check.py)."""
+        if self.revoked is None:
+            return ""
+        try:
+            serial = serial_hex(presented_certificate(endpoint, self.tls, timeout=self.timeout_s))
+        except OSError as e:
+            return str(e) or type(e).__name__
+        if serial in self.revoked:
+            return _("presents certificate {serial}, which is revoked").format(serial=serial)
+        return ""
 
     def channel(self, endpoint: str) -> grpc.Channel:
+        """A channel to one replica; raises RefusedReplica (a grpc.RpcError, UNAVAILABLE) when the
+        replica presents a revoked certificate."""
+        why = self.refused(endpoint)
+        if why:
+            raise RefusedReplica(f"{endpoint}: {why}")
         return grpc.secure_channel(endpoint, self.creds)
 
     def call(self, fn: Callable[[cluster_pb2_grpc.ClusterServiceStub], Callable[..., T]], request: Any) -> T:
@@ -71,7 +125,11 @@ class Client:
         """Call a method on the first replica that answers; fail over on unavailable or timeout."""
         errors: list[str] = []
         for ep in self.cfg.endpoints:
-            with self.channel(ep) as ch:
+            why = self.refused(ep)
+            if why:
+                errors.append(f"{ep}: {_short(why)}")
+                continue
+            with grpc.secure_channel(ep, self.creds) as ch:
                 stub = stub_cls(ch)
                 try:
                     result = fn(stub)(request, timeout=self.timeout_s)

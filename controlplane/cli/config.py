@@ -5,6 +5,7 @@ ca: /path/certs/ca.crt
 cert: /path/certs/operator/admin.crt
 key: /path/certs/operator/admin.key
 replica_ca: /path/certs/replica-ca.crt   # optional: default replica-ca.crt beside ca
+crl: /path/certs/crl/etcd.crl            # optional: default crl/etcd.crl beside ca, when present
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class ClientConfig:
     replica_ca: str = ""
     """The replica CA: the only issuer trusted for replicas (default: replica-ca.crt beside `ca`).
     Each replica's certificate must carry the host of its endpoint."""
+    crl: str = ""
+    """A certificate revocation list (DER or PEM; `kunlun-cli certs revoke --dir` rewrites
+    DIR/crl/etcd.crl): a replica presenting a listed certificate is refused and the next one is
+    tried. Default: crl/etcd.crl beside `ca` when that file exists; none otherwise."""
 
 
 def default_path() -> Path:
@@ -52,6 +57,7 @@ def write_client_config(path: Path, cfg: ClientConfig) -> None:
         "cert": cfg.cert,
         "key": cfg.key,
         **({"replica_ca": cfg.replica_ca} if cfg.replica_ca else {}),
+        **({"crl": cfg.crl} if cfg.crl else {}),
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))

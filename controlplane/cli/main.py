@@ -6,6 +6,7 @@ Errors are one line on stderr with a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from controlplane.cli import (
     workload_cmd,
 )
 from controlplane.cli.client import Client, CliError
-from controlplane.cli.config import ClientConfig, default_path, load_client_config
+from controlplane.cli.config import default_path, load_client_config
 from controlplane.cli.localize import localized
 from controlplane.cli.verify import command as verify_cmd
 from kunlun_common.errors import ConfigError, KunlunError
@@ -57,7 +58,9 @@ def make_client(args: argparse.Namespace) -> Client:
         raise CliError(str(e)) from None
     if args.endpoints:
         eps = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
-        cfg = ClientConfig(endpoints=eps, ca=cfg.ca, cert=cfg.cert, key=cfg.key, replica_ca=cfg.replica_ca)
+        cfg = dataclasses.replace(cfg, endpoints=eps)
+    if args.crl:
+        cfg = dataclasses.replace(cfg, crl=args.crl)
     return Client(cfg, timeout_s=args.timeout)
 
 
@@ -76,6 +79,12 @@ def _common(suppress: bool) -> argparse.ArgumentParser:
         "--config",
         default=d(None),
         help="client config (default $KUNLUN_CONFIG or ~/.config/kunlun/config.yaml)",
+    )
+    c.add_argument(
+        "--crl",
+        default=d(None),
+        help="revocation list (CRL file): refuse replicas presenting a listed certificate "
+        "(default: the client config's crl, else crl/etcd.crl beside the CA)",
     )
     c.add_argument("--timeout", type=float, default=d(5.0), help="seconds per replica before trying the next")
     return c

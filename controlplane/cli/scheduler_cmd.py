@@ -1,4 +1,7 @@
-"""`kunlun-cli scheduler config get|set`: the scheduler's settings, applied live."""
+"""`kunlun-cli scheduler config get|set`: the scheduler's settings, applied live.
+
+`set -f FILE` replaces the whole config; `set KEY=VALUE ...` reads the stored config, changes those
+fields and stores it (two operators changing fields at once: the later write wins whole)."""
 
 from __future__ import annotations
 
@@ -26,9 +29,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     g = cs.add_parser("get", help="print the scheduler config", parents=[common])
     g.set_defaults(handler=config_get)
     st = cs.add_parser(
-        "set", help="replace the scheduler config (an invalid file is refused whole)", parents=[common]
+        "set",
+        help="replace the scheduler config from a file, or change fields KEY=VALUE (an invalid config is refused whole)",
+        parents=[common],
     )
-    st.add_argument("-f", "--file", required=True)
+    st.add_argument("-f", "--file", help="the whole scheduler_config.yaml")
+    st.add_argument(
+        "fields",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="fields to change in the stored config (VALUE in YAML: true, 50, [high]; KEY may be a.b)",
+    )
     st.set_defaults(handler=config_set)
 
 
@@ -43,14 +54,51 @@ def config_get(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_set(args: argparse.Namespace) -> int:
+def apply_fields(text: str, pairs: list[str]) -> str:
+    """`text` (scheduler config YAML) with the KEY=VALUE pairs set; the server validates the result."""
+    import yaml
+
     try:
-        text = Path(args.file).read_text()
-    except OSError as e:
-        raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
-    resp = make_client(args).workloads(
-        lambda s: s.SetSchedulerConfig, workload_pb2.SchedulerConfigText(yaml=text)
-    )
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise CliError(f"scheduler config: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise CliError("scheduler config: expected a mapping at the top level")
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"{pair!r}: expected KEY=VALUE, e.g. advanced_profiling=true")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise CliError(
+                f"{pair!r}: VALUE is not a YAML value; quote strings, e.g. policy=binpack"
+            ) from None
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CliError(f"{pair!r}: {part} is not a mapping; set it whole instead")
+            node = child
+        node[parts[-1]] = value
+    return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+
+
+def config_set(args: argparse.Namespace) -> int:
+    if not args.file and not args.fields:
+        raise CliError("give -f FILE (the whole config) or fields KEY=VALUE, e.g. advanced_profiling=true")
+    client = make_client(args)
+    if args.file:
+        try:
+            text = Path(args.file).read_text()
+        except OSError as e:
+            raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+    else:
+        text = client.workloads(lambda s: s.GetSchedulerConfig, workload_pb2.SchedulerConfigRequest()).yaml
+    if args.fields:
+        text = apply_fields(text, list(args.fields))
+    resp = client.workloads(lambda s: s.SetSchedulerConfig, workload_pb2.SchedulerConfigText(yaml=text))
     if args.output == "json":
         import yaml
 

@@ -154,7 +154,11 @@ def model_delete(args: argparse.Namespace) -> int:
     last: package_pb2.PackageInfo | None = None
     problems: list[str] = []
     for ep in client.cfg.endpoints:  # every replica drops its own copy
-        with client.channel(ep) as ch:
+        why = client.refused(ep)
+        if why:
+            problems.append(f"{ep}: {why}")
+            continue
+        with grpc.secure_channel(ep, client.creds) as ch:
             try:
                 last = package_pb2_grpc.PackageServiceStub(ch).DeletePackage(
                     package_pb2.DeletePackageRequest(ref=args.ref), timeout=args.timeout

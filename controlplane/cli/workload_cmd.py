@@ -323,7 +323,11 @@ def logs(args: argparse.Namespace) -> int:
 
     errors: list[str] = []
     for ep in client.cfg.endpoints:
-        with client.channel(ep) as ch:
+        why = client.refused(ep)
+        if why:
+            errors.append(f"{ep}: {why}")
+            continue
+        with grpc.secure_channel(ep, client.creds) as ch:
             from kunlun_common.api import workload_pb2_grpc
 
             stream = workload_pb2_grpc.WorkloadServiceStub(ch).Logs(req, timeout=None if args.follow else 60)

@@ -17,6 +17,7 @@ import yaml
 
 from controlplane.scheduler.model import PRIORITIES
 from kunlun_common.errors import ConfigError
+from kunlun_common.profiling import MAX_INTERVAL_MS, MIN_INTERVAL_MS
 
 POLICIES = ("spread", "binpack")
 """Values of `SchedulerConfig.policy`."""
@@ -67,6 +68,12 @@ class SchedulerConfig:
     max_placements_per_commit: int = 50
     """Placements per etcd transaction: 1..64, since etcd allows 128 operations per transaction and
     each placement costs 2."""
+    advanced_profiling: bool = False
+    """Run-time profiling, switched on and off without restart: every replica, agent and gateway
+    samples its threads' stacks each `profiling_interval_ms` and writes Chrome trace files into its
+    bounded ring (the process's `profiling` settings: folder, files, bytes per file)."""
+    profiling_interval_ms: int = 50
+    """Milliseconds between two profiling samples (5..60000); read only while advanced_profiling is on."""
 
     def __post_init__(self) -> None:
         weights = MappingProxyType(dict(self.priority_weights))
@@ -155,6 +162,16 @@ def _check_values(config: SchedulerConfig) -> list[str]:
             f"max_placements_per_commit: expected an integer from 1 to {MAX_PLACEMENTS_PER_COMMIT} "
             f"({ETCD_MAX_TXN_OPS} etcd operations per transaction, {OPS_PER_PLACEMENT} per placement), "
             f"found {_describe(cap)}"
+        )
+    if not isinstance(config.advanced_profiling, bool):
+        problems.append(
+            f"advanced_profiling: expected true or false, found {_describe(config.advanced_profiling)}"
+        )
+    ms = config.profiling_interval_ms
+    if not isinstance(ms, int) or isinstance(ms, bool) or not MIN_INTERVAL_MS <= ms <= MAX_INTERVAL_MS:
+        problems.append(
+            f"profiling_interval_ms: expected an integer from {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS} "
+            f"(milliseconds between samples), found {_describe(ms)}"
         )
     return problems
 

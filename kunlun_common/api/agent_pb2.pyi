@@ -386,24 +386,30 @@ class ReplicaMessage(_message.Message):
     REGISTER_ACK_FIELD_NUMBER: _builtins.int
     HEARTBEAT_ACK_FIELD_NUMBER: _builtins.int
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    PROFILING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def register_ack(self) -> Global___RegisterAck: ...
     @_builtins.property
     def heartbeat_ack(self) -> Global___HeartbeatAck: ...
     @_builtins.property
     def assignments(self) -> Global___Assignments: ...
+    @_builtins.property
+    def profiling(self) -> _types_pb2.ProfilingSettings:
+        """Sent after registration and whenever the scheduler settings change it."""
+
     def __init__(
         self,
         *,
         register_ack: Global___RegisterAck | None = ...,
         heartbeat_ack: Global___HeartbeatAck | None = ...,
         assignments: Global___Assignments | None = ...,
+        profiling: _types_pb2.ProfilingSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "profiling", b"profiling", "register_ack", b"register_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "register_ack", b"register_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "heartbeat_ack", b"heartbeat_ack", "kind", b"kind", "profiling", b"profiling", "register_ack", b"register_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "assignments"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["register_ack", "heartbeat_ack", "assignments", "profiling"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from kunlun_common.api import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -586,6 +587,7 @@ class GatewayConfig(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     CANARIES_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    PROFILING_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     @_builtins.property
     def key_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -603,6 +605,10 @@ class GatewayConfig(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestEndpoint]:
         """Request-as-a-Service endpoints every gateway serves at /v1/endpoints/NAME."""
 
+    @_builtins.property
+    def profiling(self) -> _types_pb2.ProfilingSettings:
+        """Run-time profiling switch (from the scheduler settings)."""
+
     def __init__(
         self,
         *,
@@ -612,10 +618,11 @@ class GatewayConfig(_message.Message):
         revision: _builtins.int = ...,
         canaries: _abc.Iterable[Global___CanaryWeight] | None = ...,
         endpoints: _abc.Iterable[Global___RequestEndpoint] | None = ...,
+        profiling: _types_pb2.ProfilingSettings | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["profiling", b"profiling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canaries", b"canaries", "endpoints", b"endpoints", "key_hashes", b"key_hashes", "policies", b"policies", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canaries", b"canaries", "endpoints", b"endpoints", "key_hashes", b"key_hashes", "policies", b"policies", "profiling", b"profiling", "revision", b"revision", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

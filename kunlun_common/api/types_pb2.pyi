@@ -51,6 +51,33 @@ DEVICE_STATUS_ERROR: DeviceStatus.ValueType  # 4
 Global___DeviceStatus: _TypeAlias = DeviceStatus  # noqa: Y015
 
 @_typing.final
+class ProfilingSettings(_message.Message):
+    """The cluster-wide run-time profiling switch (scheduler settings `advanced_profiling` and
+    `profiling_interval_ms`), pushed by replicas to agents (on their stream) and gateways (in their config).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    interval_ms: _builtins.int
+    """Milliseconds between two samples."""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        interval_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "interval_ms", b"interval_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfilingSettings: _TypeAlias = ProfilingSettings  # noqa: Y015
+
+@_typing.final
 class DeviceTelemetry(_message.Message):
     """A coarse sample of one device's telemetry."""
 
