@@ -57,6 +57,7 @@ from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.profiling import Profiler
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
+from kunlun_common.wire_limits import replica_server_options
 
 log = structlog.get_logger("replica")
 VERSION = "0.1.0"
@@ -233,6 +234,7 @@ class Replica:
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                *replica_server_options(),  # the agent channel's limits, mirrored by the agents
             ],
         )
         cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name, self.drain)

@@ -52,6 +52,9 @@ class ClusterSpec:
     """More agent certificates to issue (node names) for tests."""
     replica_args: tuple[str, ...] = ()
     """Extra flags for every replica."""
+    replica_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Extra environment per replica name, e.g. libfaketime's LD_PRELOAD and FAKETIME to run one
+    replica with a skewed wall clock in tests (none by default)."""
     agent_args: tuple[str, ...] = ("--test-engine-fallback", "--stop-engines-on-exit")
     """Extra flags for every agent (the local cluster serves with the test engine when SGLang is
     not installed, and stops its engines when it stops)."""
@@ -196,17 +199,22 @@ class LocalCluster:
         for name in self.replicas:
             wait_for(lambda n=name: self.replica_serving(n), timeout, f"replica {name} to serve")
 
-    def _replica_process(self, name: str, address: str) -> ManagedProcess:
-        argv = self.replica_argv(name, address)
-        if self.spec.supervise_replicas:
-            argv = [sys.executable, "-m", "devcluster.supervise", "--restart-sec=1", "--", *argv]
-        return ManagedProcess(name, argv, self.base / "replicas" / f"{name}.log")
-
     def restart_replica(self, name: str) -> None:
         proc = self._replica_process(name, self.replica_addrs[name])
         proc.start()
         self.replicas[name] = proc
         self.save()
+
+    def _replica_process(self, name: str, address: str) -> ManagedProcess:
+        argv = self.replica_argv(name, address)
+        if self.spec.supervise_replicas:
+            argv = [sys.executable, "-m", "devcluster.supervise", "--restart-sec=1", "--", *argv]
+        return ManagedProcess(
+            name,
+            argv,
+            self.base / "replicas" / f"{name}.log",
+            env=dict(self.spec.replica_env.get(name, {})),
+        )
 
     def agent_argv(self, config: Path, node: str) -> list[str]:
         return [

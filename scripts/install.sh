@@ -56,6 +56,11 @@ if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
   apt_install nftables
 fi
 
+# libfaketime: the control-plane fault tests run replicas with skewed wall clocks (LD_PRELOAD)
+if ! command -v faketime >/dev/null 2>&1; then
+  apt_install --no-install-recommends faketime
+fi
+
 # the engines' seccomp filter (pyseccomp) loads the system's libseccomp.so.2
 if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
   apt_install libseccomp2

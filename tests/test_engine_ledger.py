@@ -108,9 +108,11 @@ def test_supervisor_records_start_and_stop_around_the_engine(state: Path) -> Non
     assert start["boot_id"] == fence.boot_id() and set(start) == {
         "event", "node", "instance", "devices", "pid", "wall_ms", "mono_ns", "boot_id", "cause",
     }  # fmt: skip
-    stop(h, grace_s=1.0)
+    stop(h, grace_s=1.0, reason="stopped: no replica reachable for 5s (disconnect_stop_s=5)")
     end = events(state)[-1]
-    assert end["event"] == "stop" and end["pid"] == start["pid"] and str(end["cause"]).startswith("stopped")
+    assert end["event"] == "stop" and end["pid"] == start["pid"]
+    # why it was stopped reaches the ledger (once "stopped"): a disconnect is told from a deletion
+    assert str(end["cause"]).startswith("stopped: no replica reachable for 5s (disconnect_stop_s=5)"), end
     assert int(str(end["mono_ns"])) > int(str(start["mono_ns"]))
 
 

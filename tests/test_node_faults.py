@@ -16,11 +16,12 @@ from typing import Any
 import grpc
 import pytest
 
-from devcluster.cluster import LocalCluster
+from devcluster.cluster import EXAMPLES, LocalCluster
 from devcluster.procs import ManagedProcess, pid_alive, wait_for
 from kunlun_common.api import cluster_pb2, types_pb2, workload_pb2
+from node_agent.executor import ledger as engine_ledger
 from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import call, delete_all, get, set_config, submit, targets
+from tests.sched_helpers import allocations, call, delete_all, get, set_config, submit, targets
 from tests.test_placement_safety import ledger, overlaps, running_on
 
 LEASE_S, DEADLINE_S, STOP_GRACE_S, GRACE_S = 3, 3.0, 5.0, 8.0
@@ -269,3 +270,44 @@ def names(cluster: LocalCluster) -> list[str]:
     resp = call(cluster, lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest())
     assert isinstance(resp, workload_pb2.ListWorkloadsResponse)
     return [w.workload.spec.name for w in resp.workloads]
+
+
+BIG_ENV = {f"KUNLUN_TEST_PAD_{i}": "p" * (110 << 10) for i in range(8)}
+"""About 0.9 MiB of spec (each value under Linux's 128 KiB limit for one environment string)."""
+
+
+def test_a_node_full_of_large_specs_still_gets_its_assignments(
+    faults_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Five instances of one workload with a 0.9 MiB spec on one 8-device node: an assignment set
+    with the spec in every item (4.5 MiB) passed gRPC's default 4 MiB limit, so the agent dropped
+    the stream on every push and never started them. The set carries each distinct spec once, and
+    both ends of the agent channel use the same limits."""
+    c = faults_cluster
+    config = tmp_path / "node-x.yaml"
+    text = (EXAMPLES / "hygon-k100-x8.yaml").read_text()
+    text = text.replace("name: dcu-01", "name: node-x").replace(
+        "address: dcu-01.cluster.local", "address: 127.0.0.1\n  simulated: true"
+    )
+    config.write_text(text)
+    argv = [a for a in c.agent_argv(config, "node-x") if not a.startswith("--state-dir=")]
+    agent = ManagedProcess(
+        "agent-node-x", [*argv, f"--state-dir={tmp_path / 'state'}"], tmp_path / "agent.log"
+    )
+    agent.start()
+    try:
+        wait_for(lambda: c.node_ready("node-x"), 60, "node-x registered")
+        submit(c, name="wide", model="m", replicas=5, preferred_device_types=["hygon"], env=BIG_ENV)
+
+        def started() -> int:
+            events = engine_ledger.read(engine_ledger.ledger_path(tmp_path / "state"))
+            return len({e["instance"] for e in events if e["event"] == "start"})
+
+        wait_for(lambda: started() == 5, 120, "5 engines started on node-x")
+        assert "RESOURCE_EXHAUSTED" not in agent.log_text() and "larger than max" not in agent.log_text()
+    finally:
+        call(c, lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name="wide"))
+        try:
+            wait_for(lambda: not any(d.startswith("node-x/") for d in allocations(c)), 60, "wide removed")
+        finally:
+            agent.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from controlplane import keys
+from controlplane import graph_pages, keys, paging
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc
 from controlplane.election import Elector
@@ -41,6 +41,16 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
     async def ListDevices(
         self, request: cluster_pb2.ListDevicesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListDevicesResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            page = await graph_pages.device_page(self.store, self.sessions, request, request.node)
+            if request.node and not page.nodes_seen and not request.page_token:
+                raise NotFoundError(
+                    msg("node.not_registered_short", "node {node!r} is not registered", node=request.node)
+                )
+            return cluster_pb2.ListDevicesResponse(
+                devices=page.devices, next_page_token=page.next_page_token, revision=page.revision
+            )
         nodes = await load_nodes(self.store, self.sessions)
         devices: list[types_pb2.Device] = []
         for n in nodes:
@@ -80,7 +90,11 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
     async def ListNodes(
         self, request: cluster_pb2.ListNodesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListNodesResponse:
-        return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
+        paging.check_page_size(request.page_size)
+        if not request.page_size:
+            return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
+        nodes, nxt, revision = await graph_pages.node_page(self.store, self.sessions, request)
+        return cluster_pb2.ListNodesResponse(nodes=nodes, next_page_token=nxt, revision=revision)
 
     @rpc
     async def ClusterStatus(

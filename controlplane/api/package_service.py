@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds
@@ -163,6 +163,16 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
     async def ListPackages(
         self, request: package_pb2.ListPackagesRequest, context: Ctx, who: Identity
     ) -> package_pb2.ListPackagesResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store,
+                PACKAGES,
+                request,
+                lambda kv: package_message(keys.decode(kv.value)),
+                paging.message_size,
+            )
+            return package_pb2.ListPackagesResponse(packages=found, next_page_token=nxt, revision=revision)
         kvs, _ = await self.store.get_prefix(PACKAGES)
         out = [package_message(keys.decode(kv.value)) for kv in kvs]
         out.sort(key=lambda p: (p.name, p.pushed_at_unix_ms))

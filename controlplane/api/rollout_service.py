@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc
 from controlplane.rollout import gateway_stats, live_rollout, step_analysis
@@ -52,4 +52,10 @@ class RolloutService(Servicer, rollout_pb2_grpc.RolloutServiceServicer):
     async def ListRollouts(
         self, request: rollout_pb2.ListRolloutsRequest, context: Ctx, who: Identity
     ) -> rollout_pb2.ListRolloutsResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store, keys.ROLLOUTS, request, rollouts.decode_rollout, paging.message_size
+            )
+            return rollout_pb2.ListRolloutsResponse(rollouts=found, next_page_token=nxt, revision=revision)
         return rollout_pb2.ListRolloutsResponse(rollouts=await rollouts.list_all(self.store))

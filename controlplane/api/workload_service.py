@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
@@ -18,7 +18,7 @@ from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_confi
 from controlplane.scheduler.rolling import rolling_progress
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
-from controlplane.workloads import paging, records
+from controlplane.workloads import records
 from controlplane.workloads.dry_run import dry_run_plan
 from controlplane.workloads.package_checks import package_problems
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
@@ -96,27 +96,21 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         self, size: int, token_text: str, who: Identity
     ) -> workload_pb2.ListWorkloadsResponse:
         token = paging.PageToken.decode(token_text) if token_text else None
-        try:
-            kvs, revision, more = await self.store.get_range(
-                paging.workloads_start(token), paging.workloads_end(), size, token.revision if token else 0
-            )
-        except PermanentError as e:
-            if "compacted" in str(e) or "future revision" in str(e):
-                raise InvalidInput(
-                    "page_token: its revision was compacted away meanwhile; list again from the first page"
-                ) from e
-            raise
-        if token is not None:
-            revision = token.revision  # etcd's header names its current revision, not the one read
+        kvs, revision, more = await paging.read_records(self.store, keys.WORKLOADS, size, token)
         ws = [records.decode_workload(kv) for kv in kvs]
         by_workload: dict[str, list[workload_pb2.Instance]] = {w.id: [] for w in ws}
         if ws:
             (ikvs, _, _), (skvs, _, _) = await asyncio.gather(
-                self.store.get_range(
-                    *paging.instance_range(keys.INSTANCES, ws[0].id, ws[-1].id), 0, revision
+                # instance ids start with their workload's id: those of the page's workloads lie
+                # between its first and its last id
+                paging.read_range(
+                    self.store, *paging.companion_range(keys.INSTANCES, ws[0].id, ws[-1].id), 0, revision
                 ),
-                self.store.get_range(
-                    *paging.instance_range(keys.INSTANCE_STATUS, ws[0].id, ws[-1].id), 0, revision
+                paging.read_range(
+                    self.store,
+                    *paging.companion_range(keys.INSTANCE_STATUS, ws[0].id, ws[-1].id),
+                    0,
+                    revision,
                 ),
             )
             statuses = {keys.last_segment(kv.key): decode_status(kv.value) for kv in skvs}

@@ -122,7 +122,14 @@ def delete(args: argparse.Namespace) -> int:
 
 
 def list_endpoints(args: argparse.Namespace) -> int:
-    eps = _call(args, "ListEndpoints", gateway_pb2.ListRequestEndpointsRequest()).endpoints
+    from controlplane.cli.main import make_client
+
+    eps = make_client(args).pages(
+        gateway_pb2_grpc.EndpointServiceStub,
+        lambda s: s.ListEndpoints,
+        gateway_pb2.ListRequestEndpointsRequest(),
+        "endpoints",
+    )
     if args.output == "json":
         print_json({"items": [endpoint_json(e, schemas=False) for e in eps]})
         return 0

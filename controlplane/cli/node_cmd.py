@@ -10,7 +10,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import node_json
-from kunlun_common.api import cluster_pb2, workload_pb2
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2
 from kunlun_common.states import InstancePhase
 
 
@@ -48,8 +48,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def node_list(args: argparse.Namespace) -> int:
     client = make_client(args)
-    resp = client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest())
-    items = [node_json(n) for n in resp.nodes]
+    items = [
+        node_json(n)
+        for n in client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
+    ]
     if args.output == "json":
         print_json({"items": items})
     else:
@@ -73,8 +75,10 @@ def node_list(args: argparse.Namespace) -> int:
 
 def node_describe(args: argparse.Namespace) -> int:
     client = make_client(args)
-    resp = client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest())
-    node = next((n for n in resp.nodes if n.name == args.node), None)
+    listed = client.iter_pages(
+        cluster_pb2_grpc.ClusterServiceStub, lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes"
+    )
+    node = next((n for n in listed if n.name == args.node), None)
     if node is None:
         raise CliError(f"node {args.node!r} is not registered; see `kunlun-cli node list`")
     d = node_json(node)

@@ -240,8 +240,16 @@ def _print_analysis(label: str, a: dict[str, Any]) -> None:
 
 
 def list_rollouts(args: argparse.Namespace) -> int:
-    resp = _call(args, "ListRollouts", rollout_pb2.ListRolloutsRequest())
-    items = [rollout_json(r) for r in resp.rollouts]
+    from controlplane.cli.main import make_client
+
+    found = make_client(args).pages(
+        rollout_pb2_grpc.RolloutServiceStub,
+        lambda s: s.ListRollouts,
+        rollout_pb2.ListRolloutsRequest(),
+        "rollouts",
+    )
+    found.sort(key=lambda r: r.workload)
+    items = [rollout_json(r) for r in found]
     if args.output == "json":
         print_json({"items": items})
     else:

@@ -130,16 +130,20 @@ def model_list(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
     client = make_client(args)
-    resp = client.call_stub(
-        package_pb2_grpc.PackageServiceStub, lambda s: s.ListPackages, package_pb2.ListPackagesRequest()
+    packages = client.pages(
+        package_pb2_grpc.PackageServiceStub,
+        lambda s: s.ListPackages,
+        package_pb2.ListPackagesRequest(),
+        "packages",
     )
+    packages.sort(key=lambda p: (p.name, p.pushed_at_unix_ms))
     if args.output == "json":
-        print_json({"items": [info_json(p) for p in resp.packages]})
+        print_json({"items": [info_json(p) for p in packages]})
         return 0
     rows = [
         (p.name, p.version, p.digest[:19] + "…", p.size_bytes, p.weight_format, p.quantization or "-",
          p.min_device_memory_mb, p.signed_by or "UNSIGNED", ",".join(p.holders))
-        for p in resp.packages
+        for p in packages
     ]  # fmt: skip
     print_table(
         ["NAME", "VERSION", "DIGEST", "BYTES", "FORMAT", "QUANT", "MIN MiB", "SIGNED BY", "HOLDERS"], rows

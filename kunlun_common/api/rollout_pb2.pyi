@@ -310,12 +310,25 @@ Global___RolloutRequest: _TypeAlias = RolloutRequest  # noqa: Y015
 class ListRolloutsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many rollouts (1..1000), and fewer when a page would pass 1 MiB, in workload id order, read
+    at one etcd revision; 0: every rollout at once (the answer then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -326,16 +339,24 @@ class ListRolloutsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLLOUTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Rollout]: ...
     def __init__(
         self,
         *,
         rollouts: _abc.Iterable[Global___Rollout] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rollouts", b"rollouts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "revision", b"revision", "rollouts", b"rollouts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -391,7 +391,9 @@ class InstanceWorker:
         handle = self.handle
         if handle is not None:
             try:
-                record = await asyncio.to_thread(stop, handle, self.ctx.settings.stop_grace_s)
+                record = await asyncio.to_thread(
+                    stop, handle, self.ctx.settings.stop_grace_s, None, self.stop_reason
+                )
             except (OSError, KunlunError) as e:
                 log.error("could not stop the engine", instance=self.iid, error=str(e))
                 return f"{type(e).__name__}: {e}"

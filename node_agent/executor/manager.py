@@ -301,7 +301,7 @@ class ExecutorManager:
     async def _stop_orphan(self, iid: str, orphan: Orphan, why: str) -> None:
         if orphan.handle is not None and alive(orphan.handle):
             log.info("stopping engine left by a previous agent", instance=iid, why=why)
-            await asyncio.to_thread(stop, orphan.handle, self.ctx.settings.stop_grace_s)
+            await asyncio.to_thread(stop, orphan.handle, self.ctx.settings.stop_grace_s, None, why)
 
     # ------------------------------------------------------------------------------------ disconnect
 

@@ -48,6 +48,7 @@ from node_agent.executor.supervisor_api import (
     SPEC_FILE,
     STATE_FILE,
     STOP_FILE,
+    STOP_REASON_MAX,
     SUPERVISOR_LOG,
     ExitRecord,
     SupervisorHandle,
@@ -298,6 +299,8 @@ class _Supervisor:
         if self.stop_requested and self.stopping_since is None:
             request = _read_json(self.dir / STOP_FILE) or {}
             self.grace_s = float(request.get("grace_s", self.grace_s))
+            if not self.stop_cause:  # a fence found first stays the cause
+                self.stop_cause = str(request.get("reason") or "")[:STOP_REASON_MAX].removeprefix("stopped: ")
             self.stopping_since = now
             self.write_state(SupervisorStatus.STOPPING)
             log.info("supervisor.stopping", grace_s=self.grace_s)

@@ -291,13 +291,19 @@ def alive(handle: SupervisorHandle) -> bool:
     return process_start_ticks(handle.supervisor_pid) == handle.supervisor_start
 
 
+STOP_REASON_MAX = 300
+"""Longest stop reason passed to a supervisor (a ledger line stays short)."""
+
+
 def stop(
-    handle: SupervisorHandle, grace_s: float = 30.0, timeout_s: float | None = None
+    handle: SupervisorHandle, grace_s: float = 30.0, timeout_s: float | None = None, reason: str = ""
 ) -> ExitRecord | None:
-    """Stop the engine (SIGTERM, SIGKILL after `grace_s`) and its supervisor; return the exit record."""
+    """Stop the engine (SIGTERM, SIGKILL after `grace_s`) and its supervisor; return the exit record.
+    `reason` (why it is stopped: unassigned, no replica reachable, ...) goes into the exit record and
+    the engine ledger's stop cause."""
     d = handle.instance_dir
     if alive(handle):
-        atomic_write_json(d / STOP_FILE, {"grace_s": grace_s})
+        atomic_write_json(d / STOP_FILE, {"grace_s": grace_s, "reason": reason[:STOP_REASON_MAX]})
         os.kill(handle.supervisor_pid, signal.SIGTERM)
         if not _wait_until(lambda: not alive(handle), timeout_s if timeout_s is not None else grace_s + 15):
             log.error("supervisor.unresponsive", instance=handle.instance_id, pid=handle.supervisor_pid)

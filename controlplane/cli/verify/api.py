@@ -40,10 +40,10 @@ class Api:
 
     # ------------------------------------------------------------------------------------- reads
     def devices(self) -> list[types_pb2.Device]:
-        return list(self.client.call(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest()).devices)
+        return self.client.cluster_pages(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest(), "devices")
 
     def nodes(self) -> list[types_pb2.Node]:
-        return list(self.client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest()).nodes)
+        return self.client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
 
     def metrics(self, flt: str = "") -> list[telemetry_pb2.DeviceMetric]:
         resp: telemetry_pb2.DeviceMetricsResponse = self.client.call_stub(
@@ -64,9 +64,7 @@ class Api:
         return resp
 
     def workloads(self) -> list[workload_pb2.WorkloadSummary]:
-        return list(
-            self.client.workloads(lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()).workloads
-        )
+        return self.client.all_workloads()
 
     def workload(self, name: str) -> workload_pb2.WorkloadSummary:
         resp: workload_pb2.WorkloadSummary = self.client.workloads(
@@ -75,10 +73,13 @@ class Api:
         return resp
 
     def gateways(self) -> list[gateway_pb2.GatewayInfo]:
-        resp: gateway_pb2.ListGatewaysResponse = self.client.call_stub(
-            gateway_pb2_grpc.GatewayServiceStub, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest()
+        found: list[gateway_pb2.GatewayInfo] = self.client.pages(
+            gateway_pb2_grpc.GatewayServiceStub,
+            lambda s: s.ListGateways,
+            gateway_pb2.ListGatewaysRequest(),
+            "gateways",
         )
-        return sorted(resp.gateways, key=lambda g: g.name)
+        return sorted(found, key=lambda g: g.name)
 
     def leader(self) -> str:
         resp: cluster_pb2.ClusterStatusResponse = self.client.call(

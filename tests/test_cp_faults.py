@@ -1,0 +1,420 @@
+"""Control-plane faults against one real cluster whose replicas' wall clocks disagree.
+
+replica-1 runs 4 minutes behind, replica-2 4 minutes ahead (libfaketime, wall clock only: the
+monotonic clock is the machine's), replica-3 on time, so every scenario here also runs under
+skewed replica clocks. Each test tries to break the placement promise (at most one engine per
+instance and per device, no move before the node grace as measured by the acting leader) with
+real processes and real signals, and judges it from the nodes' engine ledgers.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster.cluster import LocalCluster
+from devcluster.procs import pid_alive, wait_for
+from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
+from tests.sched_helpers import delete_all, get, set_config, submit, targets
+from tests.test_placement_safety import all_events, intervals, ledger, nodes_ready, running_on
+
+LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
+FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
+SKEW = {"replica-1": "-4m", "replica-2": "+4m"}
+
+
+def faketime_lib() -> str:
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    assert found, "libfaketime is missing: `make install` installs the Debian package faketime"
+    return found[0]
+
+
+def skewed_env() -> dict[str, dict[str, str]]:
+    lib = faketime_lib()
+    return {
+        name: {"LD_PRELOAD": lib, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+        for name, offset in SKEW.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def cp_cluster() -> Iterator[LocalCluster]:
+    """Short lease, grace, deadline and election TTL: 3 + 1 (slack) + 2 (fenced) < 3 + 5 (moved)."""
+    base = Path(tempfile.mkdtemp(prefix="kunlun-cpfaults-", dir=FAST_TMP))
+    c = start_cluster(
+        base,
+        node_lease_ttl_s=LEASE_S,
+        election_ttl_s=3,
+        renew_deadline_s=2.0,
+        retry_period_s=0.5,
+        gateways=1,
+        replica_env=skewed_env(),
+        agent_args=(
+            "--test-engine-fallback",
+            "--stop-engines-on-exit",
+            f"--disconnect-stop={DEADLINE_S:g}",
+            f"--stop-grace={STOP_GRACE_S:g}",
+        ),
+    )
+    try:
+        set_config(c, f"node_not_ready_grace_seconds: {GRACE_S:g}\n")
+        yield c
+    finally:
+        c.stop()
+        keep = LOG_KEEP / "test_cp_faults"
+        shutil.rmtree(keep, ignore_errors=True)
+        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log"), *base.glob("gateways/*")]:
+            dest = keep / log.relative_to(base)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, dest)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def clean(cp_cluster: LocalCluster) -> Iterator[None]:
+    c = cp_cluster
+    yield
+    for m in c.etcd.members:
+        if not m.proc.alive():
+            m.proc.start()
+    for name, proc in c.replicas.items():
+        proc.resume()
+        if not proc.alive():
+            c.restart_replica(name)
+    for node, cfg in zip(c.node_names(), c.spec.node_configs, strict=True):
+        proc = c.agents[node]
+        proc.resume()
+        if not proc.alive():
+            c.start_agent(cfg, node)
+    for name in c.replicas:
+        wait_for(lambda n=name: c.replica_serving(n), 60, f"{name} serving again")
+    for node in c.node_names():
+        wait_for(lambda n=node: c.node_ready(n), 60, f"{node} ready again")
+    delete_all(c)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """JSON log lines of one process whose `event` is `event`, oldest first."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if event in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == event:
+                out.append(rec)
+    return out
+
+
+def first_stamp(c: LocalCluster, replica: str) -> float:
+    """Wall-clock time (by the replica's own clock) of the first line it logged."""
+    from datetime import datetime
+
+    for line in c.replicas[replica].log_text().splitlines():
+        if line.startswith("{"):
+            return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
+    raise AssertionError(f"{replica} logged no JSON line")
+
+
+def agent_log(c: LocalCluster, node: str) -> Path:
+    return c.base / "agents" / node / "agent.log"
+
+
+def stream_holder(c: LocalCluster, node: str) -> str:
+    """The replica (name) the node's agent registered with last."""
+    regs = log_events(agent_log(c, node), "registered with replica")
+    assert regs, f"{node} never registered"
+    return str(regs[-1]["replica_name"])
+
+
+def leader(c: LocalCluster) -> str:
+    try:
+        return c.leader()
+    except RuntimeError:
+        return ""
+
+
+def engine_run(c: LocalCluster, node: str, iid: str) -> dict[str, Any]:
+    """The ledger's last start event of an instance on a node."""
+    starts = [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "start"]
+    assert starts, f"no engine start of {iid} in {node}'s ledger"
+    return starts[-1]
+
+
+def stops_of(c: LocalCluster, node: str, iid: str) -> list[dict[str, Any]]:
+    return [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "stop"]
+
+
+def overlaps(events: list[dict[str, Any]], per_instance: Callable[[str], bool] = lambda _: True) -> list[str]:
+    """Pairs of engine runs alive at once on one device, or (for instances `per_instance` picks)
+    of one instance."""
+    runs = intervals(events)
+    bad = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            same = a[1] == b[1] and per_instance(a[1])
+            if a[3] < b[4] and b[3] < a[4] and (same or set(a[2]) & set(b[2])):
+                bad.append(f"{a[1]}@{a[0]} {a[2]} overlaps {b[1]}@{b[0]} {b[2]}")
+    return bad
+
+
+def place_one(c: LocalCluster, name: str, **extra: Any) -> tuple[str, str, dict[str, Any]]:
+    """Submit a 1-instance workload that may run on either node; (instance id, node, ledger start)."""
+    submit(c, name=name, model="m", preferred_device_types=["cambricon", "ascend"], replicas=1, **extra)
+    wait_for(lambda: running_on(c, name, "node-"), 120, f"{name} Running")
+    inst = get(c, name).instances[0]
+    run = engine_run(c, inst.node, inst.id)
+    assert pid_alive(run["pid"])
+    return inst.id, inst.node, run
+
+
+def watch_move(c: LocalCluster, name: str, lost: str, timeout: float) -> tuple[float, float]:
+    """Poll until the instance leaves `lost`: (last monotonic time it was seen still on `lost`,
+    first time it was seen elsewhere). The move happened between the two."""
+    end = time.monotonic() + timeout
+    last_on = time.monotonic()
+    while time.monotonic() < end:
+        t = time.monotonic()
+        try:
+            where = targets(c, name)
+        except RuntimeError:
+            where = []
+        if where and not where[0].startswith(f"{lost}/"):
+            return last_on, time.monotonic()
+        if where:
+            last_on = t
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} did not leave {lost} within {timeout}s")
+
+
+def moved_reason(c: LocalCluster, name: str) -> float:
+    """Seconds of NotReady the acting leader gave as its reason for the move."""
+    reasons = [h.reason for i in get(c, name).instances for h in i.history]
+    for r in reversed(reasons):
+        m = re.search(r"NotReady for ([0-9.]+)s \(grace [0-9.]+s, as seen by this leader\)", r)
+        if m:
+            return float(m.group(1))
+    raise AssertionError(f"no NotReady move reason in {reasons}")
+
+
+def check_fenced_handover(c: LocalCluster, name: str, iid: str, lost: str, old: dict[str, Any]) -> None:
+    """The instance serves on the other node; its old engine stopped by itself (fenced) before the
+    replacement started; no two engines of one instance or on one device were ever alive at once."""
+    other = next(n for n in c.node_names() if n != lost)
+    wait_for(lambda: running_on(c, name, f"{other}/"), 120, f"{name} Running on {other}")
+    stops = [e for e in stops_of(c, lost, iid) if e["pid"] == old["pid"]]
+    assert stops and "fenced" in stops[-1]["cause"], stops
+    assert not pid_alive(old["pid"])
+    new = engine_run(c, other, iid)
+    assert stops[-1]["mono_ns"] < new["mono_ns"], (stops[-1], new)
+    assert overlaps(all_events(c)) == []
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_skewed_replica_clocks_no_early_move_no_overlap(cp_cluster: LocalCluster) -> None:
+    """Replicas ±4 minutes apart: the frozen node's liveness is written by one replica and judged
+    by another (the leader). A leader that compared the writer's wall-clock stamp with its own clock
+    would see the node NotReady for minutes and move at once; the move must wait the full grace."""
+    c = cp_cluster
+    # the skew is real: the replicas' first log lines (started within a second) are minutes apart
+    first = {name: first_stamp(c, name) for name in c.replicas}
+    assert abs(first["replica-1"] - first["replica-3"] + 240) < 30, first
+    assert abs(first["replica-2"] - first["replica-3"] - 240) < 30, first
+    iid, lost, old = place_one(c, "skew")
+    # arrange: the frozen node's stream on one replica, the leader another (each pair of replicas
+    # is at least 4 minutes apart); a graceful stop moves both the stream and the leadership
+    for _ in range(8):
+        holder, lead = stream_holder(c, lost), leader(c)
+        if lead and holder != lead:
+            break
+        c.replicas[lead].stop()
+        wait_for(lambda lead=lead: leader(c) not in ("", lead), 30, "a new leader")
+        wait_for(lambda lead=lead: stream_holder(c, lost) != lead, 30, f"{lost} on another replica")
+        c.restart_replica(lead)
+        wait_for(lambda lead=lead: c.replica_serving(lead), 60, f"{lead} serving again")
+        wait_for(lambda: running_on(c, "skew", f"{lost}/"), 30, "skew still Running")
+    holder, lead = stream_holder(c, lost), leader(c)
+    assert holder != lead, (holder, lead)
+    agent = c.agents[lost]
+    agent.pause()
+    try:
+        wait_for(lambda: not nodes_ready(c)[lost], 30, f"{lost} NotReady")
+        not_ready_seen = time.monotonic()
+        last_on, _ = watch_move(c, "skew", lost, 60)
+        # the leader saw the node NotReady no earlier than the lease expired (< not_ready_seen)
+        assert last_on - not_ready_seen >= GRACE_S - 1.0, (last_on - not_ready_seen, holder, lead)
+        assert GRACE_S <= moved_reason(c, "skew") < GRACE_S + 10
+        check_fenced_handover(c, "skew", iid, lost, old)
+    finally:
+        agent.resume()
+
+
+def test_stream_replica_killed_engine_keeps_running(cp_cluster: LocalCluster) -> None:
+    """kill -9 the replica holding an agent's stream: the agent registers with another replica
+    in time, so its engine is neither fenced nor moved, and new assignments still reach it."""
+    c = cp_cluster
+    iid, node, old = place_one(c, "keep")
+    holder = stream_holder(c, node)
+    regs_before = len(log_events(agent_log(c, node), "registered with replica"))
+    killed_at = time.monotonic()
+    c.replicas[holder].kill()
+    wait_for(
+        lambda: len(log_events(agent_log(c, node), "registered with replica")) > regs_before,
+        30,
+        f"{node} registered again",
+    )
+    assert stream_holder(c, node) != holder
+    # a new workload pinned to a free device of that node: the new stream carries assignments
+    free = next(
+        d.name
+        for d in c.devices()
+        if d.name.startswith(f"{node}/") and d.name not in targets(c, "keep") and "nvidia" not in d.name
+    )
+    submit(c, name="later", model="m", pin=free, replicas=1)
+    wait_for(lambda: running_on(c, "later", f"{node}/"), 120, "later Running")
+    # observe past the point where a lost contact would have fenced the engine (deadline + slack +
+    # stop grace) and the leader would have moved it (lease + grace)
+    window = max(DEADLINE_S + FENCE_SLACK_S + STOP_GRACE_S, LEASE_S + GRACE_S) + 1.0
+    while time.monotonic() - killed_at < window:
+        assert pid_alive(old["pid"]), "the engine stopped after its agent's replica was killed"
+        time.sleep(0.2)
+    assert pid_alive(old["pid"])
+    assert stops_of(c, node, iid) == []
+    inst = get(c, "keep").instances[0]
+    assert (inst.id, inst.node, inst.phase) == (iid, node, "Running")
+    assert not [h for h in inst.history if "Rescheduled" in h.reason]
+    assert overlaps(all_events(c)) == []
+
+
+def test_leader_failover_inside_the_grace_restarts_it(cp_cluster: LocalCluster) -> None:
+    """An agent frozen, its node NotReady, then the leader killed (-9) inside the grace. The new
+    leader saw nothing of the node's past: it must wait a full grace of its own from when it took
+    over (by then the node has been NotReady longer than the grace), never move earlier."""
+    c = cp_cluster
+    iid, lost, old = place_one(c, "fo")
+    agent = c.agents[lost]
+    agent.pause()
+    try:
+        wait_for(lambda: not nodes_ready(c)[lost], 30, f"{lost} NotReady")
+        not_ready_seen = time.monotonic()
+        old_leader = leader(c)
+        assert old_leader
+        c.replicas[old_leader].kill()
+        killed_at = time.monotonic()
+        assert killed_at - not_ready_seen < GRACE_S - 1.0, "too slow to fail over inside the grace"
+
+        took_over = 0.0
+
+        def new_leader() -> bool:
+            nonlocal took_over
+            if leader(c) not in ("", old_leader):
+                took_over = time.monotonic()
+                return True
+            return False
+
+        wait_for(new_leader, 30, "a new leader", interval=0.05)
+        last_on, _ = watch_move(c, "fo", lost, 60)
+        # NotReady for longer than the grace when the new leader took over, moved only after a
+        # full grace from then
+        assert last_on - took_over >= GRACE_S - 1.0, (last_on - took_over, last_on - not_ready_seen)
+        assert last_on - not_ready_seen > GRACE_S
+        assert GRACE_S <= moved_reason(c, "fo") < GRACE_S + 10
+        check_fenced_handover(c, "fo", iid, lost, old)
+    finally:
+        agent.resume()
+
+
+def chat(gateway: str, model: str, timeout: float = 5.0) -> int:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    req = urllib.request.Request(
+        f"http://{gateway}/v1/chat/completions", body.encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def test_control_plane_outage_available_serves_strict_fences(cp_cluster: LocalCluster) -> None:
+    """Every replica frozen under gateway traffic: the `available` workload keeps serving with no
+    failed request (the gateway keeps its last endpoints, the engine is never fenced); the `strict`
+    one stops at its disconnect deadline (ledger cause fenced) and serves again once the control
+    plane is back."""
+    c = cp_cluster
+    av_id, _, av_old = place_one(c, "av", fencing="available")
+    st_id, st_node, st_old = place_one(c, "st")
+    gw = next(iter(c.gateway_addrs.values()))
+    wait_for(lambda: chat(gw, "av") == 200 and chat(gw, "st") == 200, 30, "the gateway routes to both")
+
+    statuses: list[int] = []
+
+    def traffic(n: int) -> None:
+        statuses.extend(chat(gw, "av") for _ in range(n))
+
+    for r in c.replicas.values():
+        r.pause()
+    frozen_at = time.monotonic()
+    try:
+        stops: list[dict[str, Any]] = []
+        for _ in range(400):  # bounded: about 0.05 s a request
+            traffic(5)
+            stops = [e for e in stops_of(c, st_node, st_id) if e["pid"] == st_old["pid"]]
+            if stops or time.monotonic() - frozen_at > 60:
+                break
+        assert stops, "the strict engine was not stopped during the outage"
+        fenced_after = time.monotonic() - frozen_at
+        # stopped by its agent at the deadline (it is alive, so it does it in order; its supervisor's
+        # fence is the backstop for a frozen or dead agent)
+        assert stops[-1]["cause"].startswith("stopped: no replica reachable for"), stops[-1]
+        assert not pid_alive(st_old["pid"])
+        # the deadline counts from the last acknowledged heartbeat, at most an interval (1 s) before
+        assert fenced_after >= DEADLINE_S - 1.0, fenced_after
+        # the strict workload is gone from the data plane meanwhile; the available one still serves
+        traffic(20)
+        assert chat(gw, "st") != 200
+        assert pid_alive(av_old["pid"])
+    finally:
+        for r in c.replicas.values():
+            r.resume()
+        resumed_at = time.monotonic()
+    recovered = False
+    for _ in range(600):
+        traffic(2)
+        recovered = running_on(c, "st", "node-") and chat(gw, "st") == 200
+        if recovered or time.monotonic() - frozen_at > 150:
+            break
+    assert recovered, [(i.phase, i.reason) for i in get(c, "st").instances]
+    print(
+        f"outage: strict stopped {fenced_after:.1f}s after the freeze, serving again "
+        f"{time.monotonic() - resumed_at:.1f}s after the resume; {len(statuses)} requests to av"
+    )
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} requests to the available workload failed"
+    assert len(statuses) >= 100
+    assert pid_alive(av_old["pid"]), "the available engine was stopped by the outage"
+    # one strict engine at a time; no device ever shared
+    assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
