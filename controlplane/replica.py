@@ -39,6 +39,7 @@ from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.watch_lag import WatchLag
 from kunlun_common import tls
 from kunlun_common.api import (
     agent_pb2_grpc,
@@ -113,6 +114,8 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.watch_lag = WatchLag(self.store, self.feeds.cache, settings.name, settings.watch_heartbeat_s)
+        self.metrics.watch_lag = self.watch_lag.lag_s
         self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
         """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
         self.metrics_server: MetricsServer | None = None
@@ -339,6 +342,8 @@ class Replica:
             asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
+        if self.settings.watch_heartbeat_s > 0:
+            self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
 
     async def drain(self) -> cluster_pb2.DrainReplicaResponse:
@@ -400,6 +405,13 @@ class Replica:
                 return "", 0
             await asyncio.sleep(0.1)
 
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: the replica's own certificate (its gRPC server
+        and exporter from the next handshake, its calls to agents from the next connection) and
+        its etcd client certificate (a new etcd channel; store.reload_credentials)."""
+        self.live_tls.reload()
+        self.store.reload_credentials()
+
     async def stop(self) -> None:
         """Graceful stop: resign leadership at once, leave the registry, stop serving."""
         log.info("replica stopping", name=self.settings.name)
@@ -446,7 +458,7 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
+    loop.add_signal_handler(signal.SIGHUP, replica.reload_certificates)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
     drained = asyncio.create_task(replica.exit_requested.wait())
     watched = {waiter, drained, *replica._tasks}

@@ -68,6 +68,9 @@ class ClusterSpec:
     """Run every replica under devcluster/supervise.py, which starts it again when it exits (as
     systemd's `Restart=always` does in production; a drained replica exits 0). `make demo` does;
     tests that kill -9 or pause a replica need its own pid, so the default is off."""
+    log_format: str = "json"
+    """`--log-format` of every process: `json` (as in production; what tests parse) or `console`
+    (readable: `make demo`)."""
 
 
 @dataclass
@@ -183,6 +186,7 @@ class LocalCluster:
             f"--node-lease-ttl={s.node_lease_ttl_s}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={s.log_format}",
             *s.replica_args,
         ]
 
@@ -227,6 +231,7 @@ class LocalCluster:
             f"--state-dir={self.base / 'agents' / node}",
             *self.metrics_flag(f"agent-{node}"),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.agent_args,
         ]
 
@@ -256,6 +261,7 @@ class LocalCluster:
             f"--cert-dir={self.bundle('gateway', name)}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.gateway_args,
         ]
 

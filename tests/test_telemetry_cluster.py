@@ -81,6 +81,11 @@ def test_every_exporter_is_promtool_clean_and_only_for_monitoring(cluster: Local
         if proc.startswith("agent-"):
             node = proc.removeprefix("agent-")
             assert f'kunlun_device_utilization_ratio{{device="{node}/'.encode() in body
+        if proc.startswith("replica-"):  # each replica's watch lag: measured, and sane on loopback
+            lag = re.search(
+                rb'^kunlun_replica_watch_lag_seconds\{replica="%s"\} (\S+)$' % proc.encode(), body, re.M
+            )
+            assert lag is not None and 0.0 <= float(lag.group(1)) < 10.0, (proc, lag)
     # every metric the rules and the dashboard may use is defined by some live exporter
     assert families >= EXPORTED, EXPORTED - families
     # an operator (or any other role) is refused, and a client without a certificate cannot connect
@@ -188,6 +193,15 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             ),
             90,
             "chat Running",
+        )
+        # the engine's cgroup memory and CPU, exported by its agent (the nvidia device is on node-b)
+        wait_for(
+            lambda: (
+                prometheus.query('kunlun_instance_memory_bytes{node="node-b"} > 1e6')
+                and prometheus.query('kunlun_instance_cpu_seconds_total{node="node-b"} > 0')
+            ),
+            60,
+            "chat's cgroup memory and CPU",
         )
         gateways = list(cluster.gateway_addrs.values())
         wait_for(lambda: all(chat(g) == 200 for g in gateways), 30, "every gateway routes chat")

@@ -123,8 +123,11 @@ class LeaseKeeper:
                 if s.retired and not s.waiting:
                     self._drop(s)
                     return
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            self._broken(s, TemporaryError(f"lease keep-alive stream ended: its channel was closed ({e!r})"))
         except (grpc.aio.AioRpcError, TemporaryError) as e:
             self._broken(s, e)
 
@@ -190,6 +193,14 @@ class LeaseKeeper:
                 raise TemporaryError(
                     f"etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s"
                 ) from None
+
+    def switch(self, stub: Any) -> None:
+        """Use another channel's LeaseStub (a reloaded client certificate): every open stream is
+        retired (it drains the refreshes written on it), new refreshes open streams on `stub`."""
+        self._stub = stub
+        for slot in self._slots:
+            if slot.stream is not None:
+                self._retire(slot.stream)
 
     async def close(self) -> None:
         for s in [*self._draining, *(slot.stream for slot in self._slots if slot.stream is not None)]:
