@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 from controlplane.store import KV, EtcdStore
 from controlplane.store.contract import prefix_end
 from kunlun_common.errors import InvalidInput, PermanentError
+from kunlun_common.messages import msg
 
 MAX_PAGE_SIZE = 1000
 """The most items one page may hold."""
@@ -79,8 +80,11 @@ class PageToken:
             revision, after, offset = data["r"], data["a"], data.get("o", 0)
         except (binascii.Error, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidInput(
-                f"page_token: not a token this server issued ({e.__class__.__name__}); "
-                "pass next_page_token from the previous page, or none for the first page"
+                msg(
+                    "paging.page_token_not_token",
+                    "page_token: not a token this server issued ({name}); pass next_page_token from the previous page, or none for the first page",
+                    name=e.__class__.__name__,
+                )
             ) from e
         if (
             not isinstance(revision, int)
@@ -90,13 +94,25 @@ class PageToken:
             or not isinstance(offset, int)
             or offset < 0
         ):
-            raise InvalidInput("page_token: malformed; pass next_page_token from the previous page")
+            raise InvalidInput(
+                msg(
+                    "paging.page_token_malformed_pass",
+                    "page_token: malformed; pass next_page_token from the previous page",
+                )
+            )
         return PageToken(revision, after, offset)
 
 
 def check_page_size(size: int) -> None:
     if not 0 <= size <= MAX_PAGE_SIZE:
-        raise InvalidInput(f"page_size: expected 0 (everything) or 1..{MAX_PAGE_SIZE}, found {size}")
+        raise InvalidInput(
+            msg(
+                "paging.page_size_expected_everything",
+                "page_size: expected 0 (everything) or 1..{max_page_size}, found {size}",
+                max_page_size=MAX_PAGE_SIZE,
+                size=size,
+            )
+        )
 
 
 def token_of(request: PageRequest) -> PageToken | None:
@@ -109,7 +125,10 @@ def _compacted(e: PermanentError) -> InvalidInput | None:
     text = str(e)
     if "compacted" in text or "future revision" in text:
         return InvalidInput(
-            "page_token: its revision was compacted away meanwhile; list again from the first page"
+            msg(
+                "paging.page_token_its_revision",
+                "page_token: its revision was compacted away meanwhile; list again from the first page",
+            )
         )
     return None
 

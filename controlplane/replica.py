@@ -194,7 +194,7 @@ class Replica:
         grace = (await stored_config(self.store)).node_not_ready_grace_seconds
         problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
         if problems:
-            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(str(p) for p in problems))
 
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)

@@ -26,6 +26,7 @@ from controlplane.store import EtcdStore
 from controlplane.workloads import records
 from kunlun_common.api import telemetry_pb2, types_pb2, workload_pb2
 from kunlun_common.errors import InvalidInput
+from kunlun_common.messages import msg
 from kunlun_common.names import VENDORS
 from kunlun_common.states import PLACED
 
@@ -68,7 +69,14 @@ def _number(m: telemetry_pb2.DeviceMetric, name: str) -> float:
 def parse_filter(expr: str) -> list[Condition]:
     """Parse `device_type==cambricon,node=~node-a|node-b,utilization>0.8`; FilterError when invalid."""
     if len(expr) > MAX_FILTER_CHARS:
-        raise FilterError(f"filter: at most {MAX_FILTER_CHARS} characters, found {len(expr)}")
+        raise FilterError(
+            msg(
+                "telemetry.filter_at_most_characters",
+                "filter: at most {max_filter_chars} characters, found {count}",
+                max_filter_chars=MAX_FILTER_CHARS,
+                count=len(expr),
+            )
+        )
     out: list[Condition] = []
     for raw in expr.split(","):
         if not raw.strip():
@@ -76,8 +84,12 @@ def parse_filter(expr: str) -> list[Condition]:
         m = _COND_RE.match(raw)
         if not m:
             raise FilterError(
-                f"filter: {raw.strip()!r} is not FIELD OP VALUE (e.g. device_type==cambricon, "
-                f"utilization>0.8, node=~node-a|node-b); operators: {' '.join(_OPS)}"
+                msg(
+                    "telemetry.filter_not_field_op",
+                    "filter: {strip!r} is not FIELD OP VALUE (e.g. device_type==cambricon, utilization>0.8, node=~node-a|node-b); operators: {items}",
+                    strip=raw.strip(),
+                    items=" ".join(_OPS),
+                )
             )
         name, op, value = m.group(1), m.group(2), m.group(3).strip("'\"")
         out.append(_condition(name, op, value, raw.strip()))
@@ -87,12 +99,26 @@ def parse_filter(expr: str) -> list[Condition]:
 def _condition(name: str, op: str, value: str, raw: str) -> Condition:
     if name in TEXT_FIELDS:
         if op in (">", ">=", "<", "<="):
-            raise FilterError(f"filter: {raw!r}: {name} is text; use ==, !=, =~ or !~")
+            raise FilterError(
+                msg(
+                    "telemetry.filter_text_use",
+                    "filter: {raw!r}: {name} is text; use ==, !=, =~ or !~",
+                    raw=raw,
+                    name=name,
+                )
+            )
         if op in ("=~", "!~"):
             try:
                 rx = re.compile(value)
             except re.error as e:
-                raise FilterError(f"filter: {raw!r}: invalid regular expression ({e})") from None
+                raise FilterError(
+                    msg(
+                        "telemetry.filter_invalid_regular_expression",
+                        "filter: {raw!r}: invalid regular expression ({e})",
+                        raw=raw,
+                        e=e,
+                    )
+                ) from None
             want = op == "=~"
             return Condition(
                 name, op, value, lambda m: (rx.fullmatch(str(getattr(m, name))) is not None) == want
@@ -102,11 +128,26 @@ def _condition(name: str, op: str, value: str, raw: str) -> Condition:
         return Condition(name, op, value, lambda m: str(getattr(m, name)) != value)
     if name in NUMBER_FIELDS:
         if op in ("=~", "!~"):
-            raise FilterError(f"filter: {raw!r}: {name} is a number; use ==, !=, >, >=, < or <=")
+            raise FilterError(
+                msg(
+                    "telemetry.filter_number_use",
+                    "filter: {raw!r}: {name} is a number; use ==, !=, >, >=, < or <=",
+                    raw=raw,
+                    name=name,
+                )
+            )
         try:
             x = float(value.rstrip("%")) / (100.0 if value.endswith("%") else 1.0)
         except ValueError:
-            raise FilterError(f"filter: {raw!r}: expected a number after {op}, found {value!r}") from None
+            raise FilterError(
+                msg(
+                    "telemetry.filter_expected_number_after",
+                    "filter: {raw!r}: expected a number after {op}, found {value!r}",
+                    raw=raw,
+                    op=op,
+                    value=value,
+                )
+            ) from None
         cmp: dict[str, Callable[[float], bool]] = {
             "==": lambda v: v == x,
             "!=": lambda v: v != x,
@@ -118,7 +159,15 @@ def _condition(name: str, op: str, value: str, raw: str) -> Condition:
         f = cmp[op]
         return Condition(name, op, value, lambda m: f(_number(m, name)))
     known = ", ".join((*TEXT_FIELDS, *NUMBER_FIELDS))
-    raise FilterError(f"filter: {raw!r}: unknown field {name!r}; known fields: {known}")
+    raise FilterError(
+        msg(
+            "telemetry.filter_unknown_field_known",
+            "filter: {raw!r}: unknown field {name!r}; known fields: {known}",
+            raw=raw,
+            name=name,
+            known=known,
+        )
+    )
 
 
 def matches(m: telemetry_pb2.DeviceMetric, conditions: list[Condition]) -> bool:

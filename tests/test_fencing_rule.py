@@ -21,11 +21,12 @@ def test_the_rule_is_strict_and_names_every_number() -> None:
     assert fencing_problem("n", 4, 3, 3, 5) is None  # 7 < 8
     problem = fencing_problem("n", 5, 3, 3, 5)  # 8 is not below 8: an engine could outlive the move
     assert problem is not None
-    assert problem.startswith(
+    assert str(problem).startswith(
         "node n: disconnect deadline 5s + stop grace 3s = 8s is not below node lease 3s + "
         "node_not_ready_grace_seconds 5s = 8s"
     )
-    assert "--disconnect-stop" in problem and "node_not_ready_grace_seconds" in problem.split("; ")[-1]
+    text = str(problem)
+    assert "--disconnect-stop" in text and "node_not_ready_grace_seconds" in text.split("; ")[-1]
     assert fencing_problem("n", 0, 30, 1, 1) is None, "an agent that does not fence itself is not checked"
 
 
@@ -37,7 +38,7 @@ def test_config_set_checks_each_node_with_its_recorded_lease() -> None:
     ]
     assert node_problems(nodes, 10.0) == []
     (slow,) = node_problems(nodes, 8.0)
-    assert slow.startswith("node slow: disconnect deadline 7s + stop grace 5s = 12s")
+    assert str(slow).startswith("node slow: disconnect deadline 7s + stop grace 5s = 12s")
     assert len(node_problems(nodes, 4.0)) == 2
     assert node_problems(nodes, 8.0, lease_ttl_s=5) == [], "a replica's own lease TTL when given"
 

@@ -59,7 +59,7 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
         try:
             if fencing := await self.sessions.fencing_problem(first.register):
                 log.warning("registration refused", identity=str(ident), problem=fencing)
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, fencing)
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(fencing))
             session = await self.sessions.register(first.register, str(ident))
         except KunlunError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"registration could not be stored: {e}")

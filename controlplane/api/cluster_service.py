@@ -70,7 +70,7 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
         try:
             parse_device_name(request.name)
         except ValueError as e:
-            raise InvalidInput(f"name: {e}") from e
+            raise InvalidInput(msg("cluster.name", "name: {e}", e=e)) from e
         for n in await load_nodes(self.store, self.sessions):
             for d in n.devices:
                 if d.name == request.name:

@@ -43,6 +43,7 @@ from kunlun_common.errors import (
     PermissionRefused,
     TemporaryError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.tls import Identity
 
 if TYPE_CHECKING:
@@ -183,7 +184,9 @@ def rpc_stream(
                         await abort(context, grpc.StatusCode.UNAVAILABLE, drain.message())
                     # the caller's certificate was revoked: end its stream
                     await abort(
-                        context, grpc.StatusCode.UNAUTHENTICATED, "the client certificate was revoked"
+                        context,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        msg("auth.revoked_stream", "the client certificate was revoked"),
                     )
                 try:
                     item = nxt.result()

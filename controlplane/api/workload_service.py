@@ -25,7 +25,7 @@ from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
-from kunlun_common.messages import msg
+from kunlun_common.messages import msg, msg_list
 from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
@@ -204,9 +204,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.SchedulerConfigText:
         cfg = parse_scheduler_config(request.yaml, "scheduler_config.yaml")
         if problems := node_problems(await registered_nodes(self.store), cfg.node_not_ready_grace_seconds):
+            # FAILED_PRECONDITION: the grace or the agents must change
             raise PermanentError(
-                "; ".join(problems)
-            )  # FAILED_PRECONDITION: the grace or the agents must change
+                msg_list("scheduler.config.fencing", "{parts}", problems, bullet="", sep="; ")
+            )
         text = to_yaml(cfg)
         await self.store.put(
             keys.SCHEDULER_CONFIG,
@@ -279,4 +280,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
                 async for chunk in call:
                     yield workload_pb2.WorkloadLogChunk(lines=list(chunk.lines))
             except grpc.aio.AioRpcError as e:
-                await abort(context, e.code(), f"node {inst.node}: {e.details()}")
+                await abort(
+                    context,
+                    e.code(),
+                    msg("node.error", "node {node}: {details}", node=inst.node, details=e.details()),
+                )

@@ -139,7 +139,7 @@ class Client:
                 request.page_token = resp.next_page_token
                 if not request.page_token:
                     return
-            raise CliError(f"{field}: the listing did not end after a million pages")
+            raise CliError(_("{field}: the listing did not end after a million pages").format(field=field))
         finally:
             for ch in channels.values():
                 ch.close()

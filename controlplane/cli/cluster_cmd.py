@@ -14,6 +14,7 @@ from controlplane.cli.client import Client
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import member_json, replica_json
 from kunlun_common.api import cluster_pb2, security_pb2, security_pb2_grpc
+from kunlun_common.i18n import _
 
 EXPIRY_WARNING_DAYS = 30
 """`cluster status` warns about any certificate in use that expires within this many days."""
@@ -159,5 +160,5 @@ def cluster_status(args: argparse.Namespace) -> int:
     if warnings:
         print()
         for w in warnings:
-            print(f"WARNING: {w}")
+            print(_("WARNING: {w}").format(w=w))
     return 0

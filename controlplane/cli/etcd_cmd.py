@@ -11,6 +11,7 @@ from controlplane.cli.backup_cmd import add_etcd_args, admin_target
 from controlplane.cli.output import print_json, print_table
 from controlplane.store.members import Member, add_member, list_members, remove_member
 from kunlun_common.errors import InvalidInput
+from kunlun_common.i18n import _
 from kunlun_common.names import valid_node_name
 
 
@@ -85,7 +86,11 @@ def initial_cluster(new: Member, members: list[Member]) -> str:
 
 def member_add(args: argparse.Namespace) -> int:
     if not valid_node_name(args.name):
-        raise InvalidInput(f"name: {args.name!r} is not a valid member name (lowercase letters, digits, '-')")
+        raise InvalidInput(
+            _("name: {name!r} is not a valid member name (lowercase letters, digits, '-')").format(
+                name=args.name
+            )
+        )
     urls = tuple(u.strip() for u in args.peer_urls.split(",") if u.strip())
     new, members = asyncio.run(add_member(admin_target(args, ask_replicas=True), args.name, urls))
     settings = {
@@ -96,7 +101,11 @@ def member_add(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json({"member": member_json(new), "settings": settings})
         return 0
-    print(f"added etcd member {new.name} (id {new.id_hex}); start it with these settings in its etcd.env:")
+    print(
+        _("added etcd member {name} (id {id_hex}); start it with these settings in its etcd.env:").format(
+            name=new.name, id_hex=new.id_hex
+        )
+    )
     for k, v in settings.items():
         print(f"{k}={v}")
     return 0
@@ -108,7 +117,11 @@ def member_remove(args: argparse.Namespace) -> int:
         print_json({"removed": member_json(gone), "items": [member_json(m) for m in left]})
         return 0
     print(
-        f"removed etcd member {gone.name or '(not started)'} (id {gone.id_hex}); {len(left)} members left: "
-        + ", ".join(m.name or m.id_hex for m in left)
+        _("removed etcd member {value} (id {id_hex}); {count} members left: {items}").format(
+            value=gone.name or _("(not started)"),
+            id_hex=gone.id_hex,
+            count=len(left),
+            items=", ".join(m.name or m.id_hex for m in left),
+        )
     )
     return 0

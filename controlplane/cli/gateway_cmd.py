@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc
+from kunlun_common.i18n import _
 from kunlun_common.traffic import ROUTING_POLICIES as POLICIES
 
 T = TypeVar("T")
@@ -86,7 +87,7 @@ def keys_create(args: argparse.Namespace) -> int:
         return 0
     print_table(["ID", "NAME", "KEY"], [[resp.key.id, resp.key.name, resp.secret]])
     print(
-        "\nstore the key now: it is not shown again (clients send `Authorization: Bearer <key>`)",
+        _("\nstore the key now: it is not shown again (clients send `Authorization: Bearer <key>`)"),
         file=sys.stderr,
     )
     return 0
@@ -123,7 +124,7 @@ def keys_revoke(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(key_json(resp.key))
         return 0
-    print(f"API key {resp.key.id} ({resp.key.name}) revoked")
+    print(_("API key {id} ({name}) revoked").format(id=resp.key.id, name=resp.key.name))
     return 0
 
 
@@ -151,7 +152,9 @@ def policy_set(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(policy_json(resp))
         return 0
-    print(f"workload {resp.workload}: routing policy {resp.policy}")
+    print(
+        _("workload {workload}: routing policy {policy}").format(workload=resp.workload, policy=resp.policy)
+    )
     return 0
 
 

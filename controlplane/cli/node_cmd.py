@@ -11,6 +11,7 @@ from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import node_json
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2
+from kunlun_common.i18n import _
 from kunlun_common.states import InstancePhase
 
 
@@ -80,7 +81,9 @@ def node_describe(args: argparse.Namespace) -> int:
     )
     node = next((n for n in listed if n.name == args.node), None)
     if node is None:
-        raise CliError(f"node {args.node!r} is not registered; see `kunlun-cli node list`")
+        raise CliError(
+            _("node {node!r} is not registered; see `kunlun-cli node list`").format(node=args.node)
+        )
     d = node_json(node)
     d["protections"] = list(node.protections)
     d["note"] = node.note
@@ -123,9 +126,17 @@ def node_op(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"node {resp.node} {'cordoned' if resp.cordoned else 'uncordoned'}"
-            + (", drained" if resp.draining else "")
+            (
+                (_("node {node} cordoned, drained") if resp.draining else _("node {node} cordoned"))
+                if resp.cordoned
+                else (_("node {node} uncordoned, drained") if resp.draining else _("node {node} uncordoned"))
+            ).format(node=resp.node)
         )
         for s in stuck:
-            print(f"  cannot move {s['instance']} ({s['workload']}): {s['reason']}", file=sys.stdout)
+            print(
+                _("  cannot move {instance} ({workload}): {reason}").format(
+                    instance=s["instance"], workload=s["workload"], reason=s["reason"]
+                ),
+                file=sys.stdout,
+            )
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc
+from kunlun_common.i18n import _
 from kunlun_common.states import RolloutPhase
 
 
@@ -80,14 +81,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 def _pct(text: str, what: str) -> int:
     m = re.fullmatch(r"\s*(\d{1,3})\s*%?\s*", text)
     if not m or not 0 < int(m[1]) <= 100:
-        raise CliError(f"{what}: expected a share like 10% (1..100), found {text!r}")
+        raise CliError(
+            _("{what}: expected a share like 10% (1..100), found {text!r}").format(what=what, text=text)
+        )
     return int(m[1])
 
 
 def _seconds(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*(s|m|h)?\s*", text)
     if not m:
-        raise CliError(f"--interval: expected a duration like 30s, 2m or 1h, found {text!r}")
+        raise CliError(
+            _("--interval: expected a duration like 30s, 2m or 1h, found {text!r}").format(text=text)
+        )
     return int(m[1]) * {"s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
 
 
@@ -152,7 +157,11 @@ def _show(args: argparse.Namespace, r: rollout_pb2.Rollout, verb: str) -> int:
     if args.output == "json":
         print_json(rollout_json(r))
     else:
-        print(f"rollout of {r.workload} {verb}: {r.phase}, canary {r.spec.model} at {r.weight_pct}%")
+        print(
+            _("rollout of {workload} {verb}: {phase}, canary {model} at {weight_pct}%").format(
+                workload=r.workload, verb=verb, phase=r.phase, model=r.spec.model, weight_pct=r.weight_pct
+            )
+        )
     return 0
 
 
@@ -200,28 +209,53 @@ def status(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(d)
         return 0
-    print(f"Workload:  {d['workload']}\nPhase:     {d['phase']}  {d['reason']}")
+    print(
+        _("Workload:  {workload}\nPhase:     {phase}  {reason}").format(
+            workload=d["workload"], phase=d["phase"], reason=d["reason"]
+        )
+    )
     if d["phase"] == RolloutPhase.COMPLETED:
         print(
-            f"Weights:   {d['canary_model']} 100% (the workload's model now; {d['baseline_model']} is gone)"
+            _("Weights:   {canary_model} 100% (the workload's model now; {baseline_model} is gone)").format(
+                canary_model=d["canary_model"], baseline_model=d["baseline_model"]
+            )
         )
     else:
         print(
-            f"Weights:   baseline {d['baseline_model']} {d['baseline_weight_pct']}%  /  "
-            f"canary {d['canary_model']} {d['canary_weight_pct']}%"
+            _(
+                "Weights:   baseline {baseline_model} {baseline_weight_pct}%  /  canary {canary_model} {canary_weight_pct}%"
+            ).format(
+                baseline_model=d["baseline_model"],
+                baseline_weight_pct=d["baseline_weight_pct"],
+                canary_model=d["canary_model"],
+                canary_weight_pct=d["canary_weight_pct"],
+            )
         )
-    print(f"Step:      {d['step']} of {d['steps'] or 'manual (promote)'}")
-    for label, a in (("Analysis:", d["analysis"]), ("Live:", d["live_analysis"])):
-        if a is not None:
-            _print_analysis(label, a)
+    print(_("Step:      {step} of {value}").format(step=d["step"], value=d["steps"] or _("manual (promote)")))
+    if d["analysis"] is not None:
+        a = d["analysis"]
+        print(
+            _("Analysis:  {verdict} (step {value})  {reason}").format(
+                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+            )
+        )
+        _print_analysis(a)
+    if d["live_analysis"] is not None:
+        a = d["live_analysis"]
+        print(
+            _("Live:      {verdict} (step {value})  {reason}").format(
+                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+            )
+        )
+        _print_analysis(a)
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
     return 0
 
 
-def _print_analysis(label: str, a: dict[str, Any]) -> None:
-    print(f"{label:<10} {a['verdict']} (step {a['step'] + 1})  {a['reason']}")
+def _print_analysis(a: dict[str, Any]) -> None:
+    """The per-version table of one analysis."""
     rows = []
     for name in ("baseline", "canary"):
         v = a[name]

@@ -58,6 +58,7 @@ from controlplane.store.credentials import read_pair
 from controlplane.store.leases import LeaseKeeper
 from controlplane.store.wire import LeaseNotFound, _compare, _kv, _op, _read, channel_closed, translate
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
@@ -85,7 +86,11 @@ def host_port(endpoint: str) -> tuple[str, int]:
     url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
     if not url.hostname or not url.port:
         raise ConfigError(
-            f"etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379"
+            msg(
+                "store.etcd_endpoint_expected_https",
+                "etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379",
+                endpoint=endpoint,
+            )
         )
     return url.hostname, url.port
 
@@ -231,7 +236,12 @@ class EtcdStore:
                 if not channel_closed():
                     raise
                 raise TemporaryError(
-                    f"etcd {what}: its channel was closed (certificate reload)", delay=0.05
+                    msg(
+                        "store.etcd_its_channel_was",
+                        "etcd {what}: its channel was closed (certificate reload)",
+                        what=what,
+                    ),
+                    delay=0.05,
                 ) from None
 
         observer = self.observer
@@ -323,7 +333,13 @@ class EtcdStore:
         At most MAX_TXN_OPS operations per branch.
         """
         if len(success) > MAX_TXN_OPS or len(failure) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
-            raise PermanentError(f"transaction with more than {MAX_TXN_OPS} operations (etcd's limit)")
+            raise PermanentError(
+                msg(
+                    "store.transaction_with_more_than",
+                    "transaction with more than {max_txn_ops} operations (etcd's limit)",
+                    max_txn_ops=MAX_TXN_OPS,
+                )
+            )
         req = rpc.TxnRequest(
             compare=[_compare(c) for c in compares],
             success=[_op(o) for o in success],
@@ -351,7 +367,9 @@ class EtcdStore:
             "lease grant", lambda: self._lease.LeaseGrant(req, timeout=self._timeout, metadata=_METADATA)
         )
         if resp.error:
-            raise TemporaryError(f"etcd lease grant failed: {resp.error}")
+            raise TemporaryError(
+                msg("store.etcd_lease_grant_failed", "etcd lease grant failed: {error}", error=resp.error)
+            )
         return int(resp.ID)
 
     async def lease_keepalive(self, lease_id: int) -> int:
@@ -412,7 +430,7 @@ class EtcdStore:
                     async with asyncio.timeout(self.settings.watch_idle_timeout_s):
                         resp = await _read(call)
                     if resp is _EOF:
-                        raise TemporaryError("watch stream closed")
+                        raise TemporaryError(msg("store.watch_stream_closed", "watch stream closed"))
                     attempt = 0
                     if resp.compact_revision:
                         log.warning(
@@ -426,7 +444,13 @@ class EtcdStore:
                         yield Resync(kvs, rev)
                         break
                     if resp.canceled:
-                        raise TemporaryError(f"watch canceled: {resp.cancel_reason}")
+                        raise TemporaryError(
+                            msg(
+                                "store.watch_canceled",
+                                "watch canceled: {cancel_reason}",
+                                cancel_reason=resp.cancel_reason,
+                            )
+                        )
                     # one transaction = several events at the same revision: skip only revisions
                     # delivered before this response, and move on once the whole response is out
                     first_new = next_rev

@@ -11,6 +11,7 @@ from aetcd import rpc
 
 from controlplane.store.contract import KV, Compare, DeleteOp, GetOp, Op, PutOp, prefix_end
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.messages import msg
 
 _TEMPORARY_CODES = {
     grpc.StatusCode.UNAVAILABLE,
@@ -43,7 +44,12 @@ async def _read(call: Any) -> Any:
     except asyncio.CancelledError:
         if not channel_closed():
             raise
-        raise TemporaryError("watch stream ended: its channel was closed (certificate reload)") from None
+        raise TemporaryError(
+            msg(
+                "store.wire.watch_stream_ended_its",
+                "watch stream ended: its channel was closed (certificate reload)",
+            )
+        ) from None
 
 
 def _kv(m: Any) -> KV:
@@ -61,10 +67,27 @@ def translate(e: grpc.aio.AioRpcError, what: str) -> Exception:
     """Map a gRPC error from etcd onto TemporaryError / PermanentError with a clear message."""
     detail = e.details() or str(e.code())
     if "lease not found" in detail:
-        return LeaseNotFound(f"etcd {what}: {detail}")
+        return LeaseNotFound(msg("store.etcd", "etcd {what}: {detail}", what=what, detail=detail))
     if e.code() in _TEMPORARY_CODES or "no leader" in detail or "timed out" in detail:
-        return TemporaryError(f"etcd {what} failed: {e.code().name}: {detail}", delay=0.2)
-    return PermanentError(f"etcd {what} refused: {e.code().name}: {detail}")
+        return TemporaryError(
+            msg(
+                "store.etcd_failed",
+                "etcd {what} failed: {name}: {detail}",
+                what=what,
+                name=e.code().name,
+                detail=detail,
+            ),
+            delay=0.2,
+        )
+    return PermanentError(
+        msg(
+            "store.etcd_refused",
+            "etcd {what} refused: {name}: {detail}",
+            what=what,
+            name=e.code().name,
+            detail=detail,
+        )
+    )
 
 
 def _compare(c: Compare) -> Any:
@@ -93,4 +116,4 @@ def _op(o: Op) -> Any:
     if isinstance(o, GetOp):
         end = prefix_end(o.key) if o.prefix else b""
         return rpc.RequestOp(request_range=rpc.RangeRequest(key=o.key.encode(), range_end=end))
-    raise PermanentError(f"unknown op {o!r}")
+    raise PermanentError(msg("store.unknown_op", "unknown op {o!r}", o=o))

@@ -23,6 +23,7 @@ from kunlun_common.api import (
     types_pb2,
     workload_pb2,
 )
+from kunlun_common.i18n import _
 
 NAME_PREFIX = "kunlun-verify-"
 """Every workload a run creates is named `kunlun-verify-<run>-<what>`."""
@@ -100,7 +101,11 @@ class Api:
     def create_rollout(self, spec: rollout_pb2.RolloutSpec) -> rollout_pb2.Rollout:
         """A rollout of one of the run's workloads (it goes when the workload is deleted)."""
         if spec.workload not in self.created_workloads:
-            raise CliError(f"internal: verify rolls out only its own workloads, found {spec.workload}")
+            raise CliError(
+                _("internal: verify rolls out only its own workloads, found {name}").format(
+                    name=spec.workload
+                )
+            )
         resp: rollout_pb2.Rollout = self.client.call_stub(
             rollout_pb2_grpc.RolloutServiceStub,
             lambda s: s.CreateRollout,
@@ -122,7 +127,11 @@ class Api:
     def submit(self, spec: workload_pb2.WorkloadSpec) -> workload_pb2.Workload:
         """Create a test workload (its name must start with NAME_PREFIX); remembered for cleanup."""
         if not spec.name.startswith(NAME_PREFIX):
-            raise CliError(f"internal: verify workload names start with {NAME_PREFIX}, found {spec.name}")
+            raise CliError(
+                _("internal: verify workload names start with {name_prefix}, found {name}").format(
+                    name_prefix=NAME_PREFIX, name=spec.name
+                )
+            )
         if spec.name not in self.created_workloads:
             self.created_workloads.append(spec.name)  # before the call: an answer lost on the way
         resp: workload_pb2.SubmitWorkloadResponse = self.client.workloads(
@@ -202,7 +211,11 @@ def poll(what: str, check: Callable[[], bool], timeout_s: float, interval_s: flo
         if check():
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise CliError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise CliError(
+                _("timed out after {timeout_s:.0f} s waiting for {what}").format(
+                    timeout_s=timeout_s, what=what
+                )
+            )
         time.sleep(interval_s)
 
 

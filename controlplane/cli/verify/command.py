@@ -19,6 +19,7 @@ from controlplane.cli.verify import layer1, layer2, layer3, layer4, layer5, repo
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
+from kunlun_common.i18n import _
 
 LayerFn = Callable[[Api, Options], LayerResult]
 TITLES = {
@@ -91,19 +92,23 @@ def parse_layers(text: str) -> list[int]:
             elif part:
                 out.add(int(part))
         except ValueError:
-            raise CliError(f"--layer: {part!r} is not a layer list; write 1..5, 2 or 1,3") from None
+            raise CliError(
+                _("--layer: {part!r} is not a layer list; write 1..5, 2 or 1,3").format(part=part)
+            ) from None
     if not out or min(out) < 1 or max(out) > 5:
-        raise CliError(f"--layer: layers are 1 to 5, found {text!r}")
+        raise CliError(_("--layer: layers are 1 to 5, found {text!r}").format(text=text))
     return sorted(out)
 
 
 def _options(args: argparse.Namespace) -> Options:
     if args.requests < 1 or args.requests > 100_000:
-        raise CliError(f"--requests: expected 1..100000, found {args.requests}")
+        raise CliError(_("--requests: expected 1..100000, found {requests}").format(requests=args.requests))
     if args.concurrency < 1 or args.concurrency > 512:
-        raise CliError(f"--concurrency: expected 1..512, found {args.concurrency}")
+        raise CliError(
+            _("--concurrency: expected 1..512, found {concurrency}").format(concurrency=args.concurrency)
+        )
     if args.burst_timeout <= 0 or args.ready_timeout <= 0:
-        raise CliError("--burst-timeout and --ready-timeout: expected a positive number of seconds")
+        raise CliError(_("--burst-timeout and --ready-timeout: expected a positive number of seconds"))
     return Options(
         device=args.device,
         node=args.node,
@@ -181,14 +186,21 @@ def verify(args: argparse.Namespace) -> int:
         print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], rows))
         for layer in run.layers:
             if layer.skipped:
-                print(f"layer {layer.layer} skipped: {layer.skipped}")
+                print(_("layer {layer} skipped: {skipped}").format(layer=layer.layer, skipped=layer.skipped))
         for line in layer_evidence_lines(run):
             print(line)
         print(
-            f"\n{'PASS' if run.passed else 'FAIL'}: {sum(1 for r in rows if r[4] == 'PASS')}/{len(rows)} checkpoints passed"
+            (
+                _("\nPASS: {sum}/{count} checkpoints passed")
+                if run.passed
+                else _("\nFAIL: {sum}/{count} checkpoints passed")
+            ).format(
+                sum=sum(1 for r in rows if r[4] == "PASS"),
+                count=len(rows),
+            )
         )
         for line in run.cleanup:
-            print(f"cleanup: {line}")
+            print(_("cleanup: {line}").format(line=line))
     for f in written:
         _say(args, f"wrote {f}")
     if interrupted:

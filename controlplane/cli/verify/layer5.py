@@ -24,6 +24,7 @@ from controlplane.cli.verify.common import Options, free_ready, metrics_evidence
 from controlplane.cli.verify.deploy import deploy
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from kunlun_common.api import cluster_pb2
+from kunlun_common.i18n import _
 
 HANDOVER_LIMIT_MS = 10_000
 """Another replica must lead this soon after the drain call (two leader lease TTLs and more)."""
@@ -83,13 +84,17 @@ def run(api: Api, opts: Options) -> LayerResult:
     leader = api.leader()
     target = opts.replica or leader
     if target not in status:
-        raise CliError(f"--replica {target!r}: not registered (replicas: {', '.join(sorted(status))})")
+        raise CliError(
+            _("--replica {name}: not registered (replicas: {names})").format(
+                name=target, names=", ".join(sorted(status))
+            )
+        )
     if len(status) < 2:
-        raise CliError("layer 5 needs at least 2 replicas: draining the only one stops the API")
+        raise CliError(_("layer 5 needs at least 2 replicas: draining the only one stops the API"))
     free = free_ready(api)
     types = Counter(m.device_type for m in free)
     if not types or types.most_common(1)[0][1] < 2:
-        raise CliError("layer 5 needs 2 free Ready cards of one type (baseline and canary instance)")
+        raise CliError(_("layer 5 needs 2 free Ready cards of one type (baseline and canary instance)"))
     dtype = types.most_common(1)[0][0]
     spec = test_workload(api.name("l5"), replicas=1, preferred_device_types=[dtype])
     d = deploy(api, spec, opts.ready_timeout_s)
