@@ -55,7 +55,7 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
-from kunlun_common.profiling import Profiler
+from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
 from kunlun_common.wire_limits import replica_server_options
@@ -118,6 +118,7 @@ class Replica:
         self.metrics.watch_lag = self.watch_lag.lag_s
         self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
         """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
+        self.metrics.registry.register(ProfilerCollector(self.profiler))
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()

@@ -70,7 +70,11 @@ def up(base: Path, free_ports: bool = False) -> int:
     )
     for proc, addr in cluster.metrics_addrs.items():
         print(f"  {proc:<16} https://{addr}/metrics")
-    print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)\n")
+    print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)")
+    print(
+        "run-time profiles (Chrome traces): `kunlun-cli scheduler config set advanced_profiling=true` "
+        f"writes them to {cluster.profile_dir}; `advanced_profiling=false` stops\n"
+    )
     cli = Path(sys.executable).parent / "kunlun-cli"
     subprocess.run(
         [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}

@@ -16,7 +16,7 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
-from kunlun_common.profiling import Profiler, ProfilingMode
+from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
@@ -255,6 +255,7 @@ class Agent:
             if self.executor.ctx.cgroups
             else None,
         )
+        m.registry.register(ProfilerCollector(self.profiler))
         self.metrics = MetricsServer(
             self.settings.metrics_listen, self.tls, m.registry, m.prepare, revoked=self.revoked
         )

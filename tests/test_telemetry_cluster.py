@@ -328,6 +328,23 @@ def test_profiling_toggles_at_run_time_in_every_process(cli_config: Path, cluste
     )
     for name in procs:
         check_nesting(_trace_state(folder, name)[0])
+    monitoring = tls_context(cluster.cert_dir, "monitoring", "prometheus")
+
+    def profiling_metrics() -> dict[str, dict[str, float]]:
+        out = {}
+        for proc, addr in cluster.metrics_addrs.items():
+            _, body = scrape(addr, monitoring)
+            out[proc] = {
+                m.group(1).decode(): float(m.group(2))
+                for m in re.finditer(rb"^(kunlun_profiling_\w+) (\S+)$", body, re.M)
+            }
+        return out
+
+    on = profiling_metrics()  # every exporter shows it on, with the profiler's own cost
+    assert len(on) == 8 and all(
+        m["kunlun_profiling_enabled"] == 1.0 and m["kunlun_profiling_samples_total"] > 0 for m in on.values()
+    ), on
+    assert all(m["kunlun_profiling_cpu_seconds_total"] >= 0 for m in on.values())
     cli(cli_config, "scheduler", "config", "set", "advanced_profiling=false")
     wait_for(
         lambda: all(markers(read_trace(process_files(folder, n)[-1]), "profiling stopped") for n in procs),
@@ -345,3 +362,5 @@ def test_profiling_toggles_at_run_time_in_every_process(cli_config: Path, cluste
         assert len(files) <= 8  # the default ring: 8 files of at most 4 MiB
         assert all(p.stat().st_size <= 4 * 2**20 for p in files)
         assert procs[name].alive() and procs[name].pid == pids[name]
+    off = profiling_metrics()
+    assert all(m["kunlun_profiling_enabled"] == 0.0 for m in off.values()), off
