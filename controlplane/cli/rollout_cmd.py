@@ -180,14 +180,16 @@ def create(args: argparse.Namespace) -> int:
         value = getattr(args, field)
         if value is not None:
             setattr(spec, field, value)
-    return _show(args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), "created")
+    return _show(
+        args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), _("created")
+    )
 
 
 def promote(args: argparse.Namespace) -> int:
     return _show(
         args,
         _call(args, "PromoteRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
-        "promotion requested",
+        _("promotion requested"),
     )
 
 
@@ -195,7 +197,7 @@ def abort(args: argparse.Namespace) -> int:
     return _show(
         args,
         _call(args, "AbortRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
-        "abort requested",
+        _("abort requested"),
     )
 
 

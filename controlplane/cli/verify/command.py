@@ -19,7 +19,7 @@ from controlplane.cli.verify import layer1, layer2, layer3, layer4, layer5, repo
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
-from kunlun_common.i18n import _
+from kunlun_common.i18n import _, translate
 
 LayerFn = Callable[[Api, Options], LayerResult]
 TITLES = {
@@ -155,7 +155,7 @@ def verify(args: argparse.Namespace) -> int:
                 missing.add("layer implemented", "no", "yes", None, note="not implemented in this version")
                 run.layers.append(missing)
                 continue
-            _say(args, f"layer {n}: {TITLES[n]} ...")
+            _say(args, _("layer {n}: {title} ...").format(n=n, title=translate(TITLES[n])))
             try:
                 result = functions[n](api, opts)
             except CliError as e:
@@ -165,7 +165,15 @@ def verify(args: argparse.Namespace) -> int:
                 run.cleanup.extend(api.cleanup())  # each layer leaves the cards free for the next
             run.layers.append(result)
             for c in result.checkpoints:
-                _say(args, f"  [{c.verdict.upper():5}] {c.name}: {c.measured} (threshold {c.threshold})")
+                _say(
+                    args,
+                    _("  [{verdict:5}] {name}: {measured} (threshold {threshold})").format(
+                        verdict=c.verdict.upper(),
+                        name=translate(c.name),
+                        measured=c.measured,
+                        threshold=c.threshold,
+                    ),
+                )
     except KeyboardInterrupt:
         interrupted = True
         ran = {r.layer for r in run.layers}
@@ -183,10 +191,17 @@ def verify(args: argparse.Namespace) -> int:
         print_json(run.to_json())
     else:
         rows = report.summary_rows(run)
-        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], rows))
+        shown = [
+            (n, translate(name), measured, threshold, result) for n, name, measured, threshold, result in rows
+        ]
+        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], shown))
         for layer in run.layers:
             if layer.skipped:
-                print(_("layer {layer} skipped: {skipped}").format(layer=layer.layer, skipped=layer.skipped))
+                print(
+                    _("layer {layer} skipped: {skipped}").format(
+                        layer=layer.layer, skipped=translate(layer.skipped)
+                    )
+                )
         for line in layer_evidence_lines(run):
             print(line)
         print(
@@ -202,7 +217,7 @@ def verify(args: argparse.Namespace) -> int:
         for line in run.cleanup:
             print(_("cleanup: {line}").format(line=line))
     for f in written:
-        _say(args, f"wrote {f}")
+        _say(args, _("wrote {path}").format(path=f))
     if interrupted:
         return 130
     return 0 if run.passed else 1
@@ -215,9 +230,10 @@ def layer_evidence_lines(run: Run) -> list[str]:
         for c in layer.checkpoints:
             if c.passed:
                 continue
-            out.append(
-                f"\n-- layer {c.layer} / {c.name}: {c.verdict.upper()}" + (f" ({c.note})" if c.note else "")
+            head = _("\n-- layer {layer} / {name}: {verdict}").format(
+                layer=c.layer, name=translate(c.name), verdict=c.verdict.upper()
             )
+            out.append(head + (f" ({translate(c.note)})" if c.note else ""))
             for e in c.evidence:
                 out.append(f"$ {e.command}\n{e.output.rstrip()}")
     return out
