@@ -56,6 +56,13 @@ def _(message: str) -> str:
     return translations().gettext(message)
 
 
+def translate(text: str) -> str:
+    """A text chosen at run time (a verify checkpoint's name, a layer's title) in the reader's
+    language, when the catalog has it. The texts themselves are literals where they are made, which
+    scripts/i18n.py extracts by their place (see its VERIFY_TEXTS), not by a `_()` around them."""
+    return translations().gettext(text) if text else text
+
+
 def ngettext(singular: str, plural: str, n: int) -> str:
     """The singular or plural form for `n`, in the reader's language."""
     return translations().ngettext(singular, plural, n)

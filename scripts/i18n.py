@@ -12,9 +12,13 @@ packages, found by an AST scan (their text must be a literal); every help text, 
 title of kunlun-cli's argparse tree; and the argparse strings a user can see (controlplane/cli/localize.py).
 tests/test_i18n.py fails while a catalog misses one or a translation's placeholders differ.
 
+kunlun-cli verify's checkpoint names, notes, layer titles and skip reasons are extracted by their
+place (VERIFY_PACKAGE), without a mark.
+
 What must be marked (`unmarked`, also an AST scan): in kunlun-cli (controlplane/cli), every text (a
-literal or f-string with a word in it) given to print(), a stream's write(), parser.error() or an
-error's constructor, and every text passed as a value into a marked string's .format(); in the
+literal or f-string with a word in it) given to print(), a stream's write(), parser.error(), an
+error's constructor or a helper that shows it (SHOWN_ARGS), and every text passed as a value into a
+marked string's .format() (verify's texts must be literals where they are made); in the
 modules whose errors replicas send to clients (REPLICA_MODULES), every error raised with a text
 instead of a `msg(...)`/`msg_list(...)` message, and every problem text appended to a problem list.
 UNMARKED_OK lists the few deliberate exceptions.
@@ -65,6 +69,14 @@ REPLICA_MODULES = (
 """Modules whose errors reach clients through the replicas' @rpc wrapper (or kunlun-cli's own package
 checks): each must carry a message id. Process start-up (settings, main, replica.py, election) is not
 here: those errors go to the operator's terminal and log, not to a client."""
+VERIFY_PACKAGE = "controlplane/cli/verify"
+"""kunlun-cli verify: its checkpoint names, notes, layer titles and skip reasons are plain literals
+where the layers make them (report.json keeps them in English) and are translated where they are
+shown (`kunlun_common.i18n.translate`); `verify_texts` extracts them by their place: the name and
+note of `result.add(NAME, ..., note=NOTE)`, the title and `skipped=` of `LayerResult(N, TITLE)`, and
+the values of the TITLES table."""
+SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
+"""kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
     ("controlplane/cli/verify/load.py", "the gateway closed the connection before the answer was complete"),
 }
@@ -155,7 +167,7 @@ def extract() -> tuple[list[Found], list[str]]:
     """Every user-facing string (merged by context and text, in order of first use) and the problems."""
     code, problems = scan_code()
     merged: dict[tuple[str | None, str], Found] = {}
-    for f in [*code, *cli_texts()]:
+    for f in [*code, *cli_texts(), *verify_texts()]:
         have = merged.get((f.context, f.msgid))
         if have is None:
             merged[(f.context, f.msgid)] = Found(f.msgid, f.context, f.plural, list(f.where))
@@ -204,10 +216,54 @@ def _is_error(name: str) -> bool:
     return name.endswith(("Error", "Refused", "Input", "Change", "NotFound", "Conflict", "Exceeded", "Exit"))
 
 
+def _verify_places(node: ast.AST) -> list[ast.expr]:
+    """The expressions of a verify module that are shown as texts (see VERIFY_PACKAGE)."""
+    out: list[ast.expr] = []
+    if isinstance(node, ast.Call):
+        name = _name(node.func)
+        if name == "add" and isinstance(node.func, ast.Attribute) and len(node.args) >= 4:  # not set.add
+            out.append(node.args[0])
+            out += [k.value for k in node.keywords if k.arg == "note"]
+        elif name == "LayerResult":
+            out += node.args[1:2]
+            out += [k.value for k in node.keywords if k.arg in ("title", "skipped")]
+    elif isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "TITLES" for t in node.targets
+    ):
+        if isinstance(node.value, ast.Dict):
+            out += [v for v in node.value.values if v is not None]
+    return out
+
+
+def _verify_literal(node: ast.expr) -> bool:
+    """A text `verify_texts` can extract: a literal, either literal of `a if c else b`, or TITLES[n]."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return True
+    if isinstance(node, ast.IfExp):
+        return _verify_literal(node.body) and _verify_literal(node.orelse)
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "TITLES"
+
+
+def verify_texts(root: Path = ROOT) -> list[Found]:
+    """The checkpoint names, notes, layer titles and skip reasons of kunlun-cli verify."""
+    out = []
+    for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            for place in _verify_places(node):
+                for leaf in _leaves(place):
+                    if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str) and leaf.value:
+                        out.append(Found(leaf.value, where=[f"{rel}:{leaf.lineno}"]))
+    return out
+
+
 def _cli_sinks(node: ast.AST) -> list[ast.expr]:
     if not isinstance(node, ast.Call):
         return []
     name = _name(node.func)
+    if name in SHOWN_ARGS:
+        i = SHOWN_ARGS[name]
+        return list(node.args[i : i + 1])
     if name == "print":
         return list(node.args)
     if isinstance(node.func, ast.Attribute) and name in ("write", "error"):
@@ -260,6 +316,14 @@ def unmarked(root: Path = ROOT) -> list[str]:
     out: list[str] = []
     for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
         out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
+    for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            out += [
+                f"{rel}:{p.lineno}: {ast.unparse(p)[:80]} (a verify text must be a literal: it is translated where shown)"
+                for p in _verify_places(node)
+                if not _verify_literal(p)
+            ]
     for where in REPLICA_MODULES:
         paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))
         for path in paths:

@@ -370,3 +370,46 @@ def test_a_message_reads_exactly_as_the_f_string_it_replaced() -> None:
     assert back is not None and back.params["path"] == "/etc/x.yaml" and back.params["n"] == 2
     plain = msg("t.y", "{a} {b!r}", a=1, b="x")
     assert plain.english is None and str(plain) == "1 'x'"
+
+
+def test_the_verify_report_in_chinese_its_json_in_english(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.cli.verify import report
+    from controlplane.cli.verify.command import TITLES, layer_evidence_lines
+    from controlplane.cli.verify.model import LayerResult, Run, Series, evidence
+
+    def run() -> Run:
+        r = Run(1_700_000_000_000, ["127.0.0.1:7000"])
+        one = LayerResult(2, TITLES[2])
+        one.add("preparation time", "3.2 s", "< 60 s", True, evidence("kunlun-cli workload describe x", "ok"))
+        one.add("first-token latency", "900 ms", "< 500 ms", False, note="the layer stopped here")
+        one.utilization.append(Series("node-a/ascend:0", [(0.0, 10.0), (1.0, 80.0)]))
+        r.layers += [one, LayerResult(5, TITLES[5], skipped="layer 5 stops a replica: give --disruptive")]
+        return r
+
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    zh = run()
+    report.write(zh, tmp_path / "zh")
+    md = (tmp_path / "zh" / "report.md").read_text()
+    assert md.startswith("# Kunlun Platform 验收报告\n")
+    assert "| 层级 | 检查点 | 测量值 | 阈值 | 结果 |" in md
+    assert "| 2 | 首 token 延迟 | 900 ms | < 500 ms | FAIL |" in md
+    assert "## 第 2 层：单卡单模型" in md and "已跳过：第 5 层会停止一个副本：请指定 --disruptive" in md
+    assert "- 备注：该层在此处停止" in md
+    assert "第 2 层：各卡利用率" in (tmp_path / "zh" / "layer2-utilization.svg").read_text()
+    assert layer_evidence_lines(zh)[0] == "\n-- 第 2 层 / 首 token 延迟：FAIL (该层在此处停止)"
+    data = json.loads((tmp_path / "zh" / "report.json").read_text())
+    assert data["layers"][0]["title"] == "One model on one card"
+    assert [c["name"] for c in data["layers"][0]["checkpoints"]] == [
+        "preparation time",
+        "first-token latency",
+    ]
+    assert data["layers"][1]["skipped"] == "layer 5 stops a replica: give --disruptive"
+    monkeypatch.setenv("LANGUAGE", "C")
+    monkeypatch.setenv("LC_ALL", "C")
+    report.write(run(), tmp_path / "en")
+    md = (tmp_path / "en" / "report.md").read_text()
+    assert md.startswith("# Kunlun Platform acceptance report\n")
+    assert "| 2 | first-token latency | 900 ms | < 500 ms | FAIL |" in md
+    assert (tmp_path / "en" / "report.json").read_text() == (tmp_path / "zh" / "report.json").read_text()

@@ -58,7 +58,7 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             await abort(context, code, "; ".join(problems))
         try:
             if fencing := await self.sessions.fencing_problem(first.register):
-                log.warning("registration refused", identity=str(ident), problem=fencing)
+                log.warning("registration refused", identity=str(ident), problem=str(fencing))
                 await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(fencing))
             session = await self.sessions.register(first.register, str(ident))
         except KunlunError as e:

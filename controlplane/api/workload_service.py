@@ -13,7 +13,7 @@ from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.fencing import node_problems, registered_nodes
 from controlplane.graph import load_nodes
-from controlplane.redact import workload_for
+from controlplane.redact import instances_for, workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.scheduler.rolling import rolling_progress
 from controlplane.store import EtcdStore
@@ -28,6 +28,17 @@ from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, Te
 from kunlun_common.messages import msg, msg_list
 from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
+
+
+def summary_of(
+    who: Identity, w: workload_pb2.Workload, ii: list[workload_pb2.Instance]
+) -> workload_pb2.WorkloadSummary:
+    """A workload with its instances as `who` may see them (phase and progress from them first:
+    `instances_for` changes the instances in place)."""
+    phase, rolling = records.workload_phase(w, ii), rolling_progress(w, ii)
+    return workload_pb2.WorkloadSummary(
+        workload=workload_for(who, w), instances=instances_for(who, w, ii), phase=phase, rolling=rolling
+    )
 
 
 class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
@@ -81,14 +92,7 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         for kv in kvs:
             w = records.decode_workload(kv)
             ii = insts.get(w.id, [])
-            out.append(
-                workload_pb2.WorkloadSummary(
-                    workload=workload_for(who, w),
-                    instances=ii,
-                    phase=records.workload_phase(w, ii),
-                    rolling=rolling_progress(w, ii),
-                )
-            )
+            out.append(summary_of(who, w, ii))
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
         return workload_pb2.ListWorkloadsResponse(workloads=out, revision=revision)
 
@@ -124,14 +128,7 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         out = []
         for w in ws:
             ii = sorted(by_workload[w.id], key=lambda i: i.ordinal)
-            out.append(
-                workload_pb2.WorkloadSummary(
-                    workload=workload_for(who, w),
-                    instances=ii,
-                    phase=records.workload_phase(w, ii),
-                    rolling=rolling_progress(w, ii),
-                )
-            )
+            out.append(summary_of(who, w, ii))
         nxt = paging.PageToken(revision, ws[-1].id).encode() if more and ws else ""
         return workload_pb2.ListWorkloadsResponse(workloads=out, next_page_token=nxt, revision=revision)
 
@@ -141,13 +138,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.WorkloadSummary:
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
-        summary = workload_pb2.WorkloadSummary(
-            workload=workload_for(who, w),
-            instances=ii,
-            phase=records.workload_phase(w, ii),
-            rolling=rolling_progress(w, ii),
-        )
         placed = [i for i in ii if i.phase in PLACED_PHASES and i.target_devices]
+        summary = summary_of(who, w, ii)
         if placed:
             # the devices' samples as the replicas last wrote them (coarse snapshots, every few seconds)
             spread = spreads(await load_nodes(self.store), placed)[0]

@@ -148,7 +148,7 @@ def cluster_backup(args: argparse.Namespace) -> int:
                 path=path, parent=path.absolute().parent
             )
         )
-    header, records = asyncio.run(take_backup(target, POLICY, progress_printer("read", args.quiet)))
+    header, records = asyncio.run(take_backup(target, POLICY, progress_printer(_("read"), args.quiet)))
     digest = write_backup(path, header, records)
     size = path.stat().st_size
     if args.output == "json":
@@ -194,7 +194,7 @@ def cluster_restore(args: argparse.Namespace) -> int:
         return 0
     target = admin_target(args, ask_replicas=False)
     result = asyncio.run(
-        restore_backup(target, header, records, POLICY, args.force, progress_printer("wrote", args.quiet))
+        restore_backup(target, header, records, POLICY, args.force, progress_printer(_("wrote"), args.quiet))
     )
     if args.output == "json":
         print_json(

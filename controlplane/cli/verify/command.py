@@ -15,11 +15,11 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
-from controlplane.cli.verify import layer1, layer2, layer3, layer4, report
+from controlplane.cli.verify import layer1, layer2, layer3, layer4, layer5, report
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
-from kunlun_common.i18n import _
+from kunlun_common.i18n import _, translate
 
 LayerFn = Callable[[Api, Options], LayerResult]
 TITLES = {
@@ -32,7 +32,7 @@ TITLES = {
 
 
 def layer_functions() -> dict[int, LayerFn]:
-    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run}
+    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run, 5: layer5.run}
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -55,7 +55,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 3: the node whose cards to load (default: the one with most free cards)",
     )
     p.add_argument(
-        "--requests", type=int, default=1000, help="requests of the layer 3 burst (layers 2 and 5: a fifth)"
+        "--requests",
+        type=int,
+        default=1000,
+        help="requests of the layer 3 and 5 bursts (layer 2: a fifth, layer 4: half)",
     )
     p.add_argument("--concurrency", type=int, default=32, help="concurrent connections of a burst")
     p.add_argument("--burst-timeout", type=float, default=120.0, help="seconds after which a burst stops")
@@ -75,6 +78,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 1: compare each node's topology matrix with this device-plugin-config file (repeatable)",
     )
     p.add_argument("--disruptive", action="store_true", help="allow layer 5 (stops and restarts a replica)")
+    p.add_argument("--replica", default="", help="layer 5: the replica to drain (default: the leader)")
     p.set_defaults(handler=verify)
 
 
@@ -115,6 +119,7 @@ def _options(args: argparse.Namespace) -> Options:
         allow_busy=args.allow_busy,
         declared=tuple(args.declared),
         disruptive=args.disruptive,
+        replica=args.replica,
     )
 
 
@@ -150,7 +155,7 @@ def verify(args: argparse.Namespace) -> int:
                 missing.add("layer implemented", "no", "yes", None, note="not implemented in this version")
                 run.layers.append(missing)
                 continue
-            _say(args, f"layer {n}: {TITLES[n]} ...")
+            _say(args, _("layer {n}: {title} ...").format(n=n, title=translate(TITLES[n])))
             try:
                 result = functions[n](api, opts)
             except CliError as e:
@@ -160,7 +165,15 @@ def verify(args: argparse.Namespace) -> int:
                 run.cleanup.extend(api.cleanup())  # each layer leaves the cards free for the next
             run.layers.append(result)
             for c in result.checkpoints:
-                _say(args, f"  [{c.verdict.upper():5}] {c.name}: {c.measured} (threshold {c.threshold})")
+                _say(
+                    args,
+                    _("  [{verdict:5}] {name}: {measured} (threshold {threshold})").format(
+                        verdict=c.verdict.upper(),
+                        name=translate(c.name),
+                        measured=c.measured,
+                        threshold=c.threshold,
+                    ),
+                )
     except KeyboardInterrupt:
         interrupted = True
         ran = {r.layer for r in run.layers}
@@ -178,10 +191,17 @@ def verify(args: argparse.Namespace) -> int:
         print_json(run.to_json())
     else:
         rows = report.summary_rows(run)
-        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], rows))
+        shown = [
+            (n, translate(name), measured, threshold, result) for n, name, measured, threshold, result in rows
+        ]
+        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], shown))
         for layer in run.layers:
             if layer.skipped:
-                print(_("layer {layer} skipped: {skipped}").format(layer=layer.layer, skipped=layer.skipped))
+                print(
+                    _("layer {layer} skipped: {skipped}").format(
+                        layer=layer.layer, skipped=translate(layer.skipped)
+                    )
+                )
         for line in layer_evidence_lines(run):
             print(line)
         print(
@@ -197,7 +217,7 @@ def verify(args: argparse.Namespace) -> int:
         for line in run.cleanup:
             print(_("cleanup: {line}").format(line=line))
     for f in written:
-        _say(args, f"wrote {f}")
+        _say(args, _("wrote {path}").format(path=f))
     if interrupted:
         return 130
     return 0 if run.passed else 1
@@ -210,9 +230,10 @@ def layer_evidence_lines(run: Run) -> list[str]:
         for c in layer.checkpoints:
             if c.passed:
                 continue
-            out.append(
-                f"\n-- layer {c.layer} / {c.name}: {c.verdict.upper()}" + (f" ({c.note})" if c.note else "")
+            head = _("\n-- layer {layer} / {name}: {verdict}").format(
+                layer=c.layer, name=translate(c.name), verdict=c.verdict.upper()
             )
+            out.append(head + (f" ({translate(c.note)})" if c.note else ""))
             for e in c.evidence:
                 out.append(f"$ {e.command}\n{e.output.rstrip()}")
     return out

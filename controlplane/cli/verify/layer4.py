@@ -80,7 +80,7 @@ def run(api: Api, opts: Options) -> LayerResult:
     peak_rows = {dev: max(sb.window(dev), default=0.0) for dev in served}
     mine = [m for m in sampler.busiest if m.workload == spec.name]
     r.add(
-        f"telemetry {FILTER} shows the load",
+        "telemetry device_type==cambricon shows the load",
         f"{len(shown)} of {len(served)} cards busier during the burst ("
         + ", ".join(f"{dev} {pct(sb.before[dev])} -> {pct(peak_rows[dev])}" for dev in served)
         + f"); {len(mine)} rows of the filter name the workload",
