@@ -23,10 +23,14 @@ def up(base: Path, free_ports: bool = False) -> int:
             print(f"stopped the previous local cluster ({len(stopped)} processes)")
     # the demo's logs are for people: readable lines (production and the tests keep JSON)
     if free_ports:
-        spec = ClusterSpec(base_dir=base, log_format="console")
+        spec = ClusterSpec(base_dir=base, log_format="console", supervise_replicas=True)
     else:
         spec = ClusterSpec(
-            base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS, log_format="console"
+            base_dir=base,
+            replica_ports=DEMO_REPLICA_PORTS,
+            etcd_ports=DEMO_ETCD_PORTS,
+            log_format="console",
+            supervise_replicas=True,  # a drained replica is started again (systemd: Restart=always)
         )
     cluster = LocalCluster(spec)
     base.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,10 @@ class ClusterSpec:
     """Extra flags for every gateway."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
+    supervise_replicas: bool = False
+    """Run every replica under devcluster/supervise.py, which starts it again when it exits (as
+    systemd's `Restart=always` does in production; a drained replica exits 0). `make demo` does;
+    tests that kill -9 or pause a replica need its own pid, so the default is off."""
     log_format: str = "json"
     """`--log-format` of every process: `json` (as in production; what tests parse) or `console`
     (readable: `make demo`)."""
@@ -206,9 +210,12 @@ class LocalCluster:
         self.save()
 
     def _replica_process(self, name: str, address: str) -> ManagedProcess:
+        argv = self.replica_argv(name, address)
+        if self.spec.supervise_replicas:
+            argv = [sys.executable, "-m", "devcluster.supervise", "--restart-sec=1", "--", *argv]
         return ManagedProcess(
             name,
-            self.replica_argv(name, address),
+            argv,
             self.base / "replicas" / f"{name}.log",
             env=dict(self.spec.replica_env.get(name, {})),
         )

@@ -1,6 +1,9 @@
-"""ClusterService: read API for operators and viewers (devices, nodes, cluster status)."""
+"""ClusterService: read API for operators and viewers (devices, nodes, cluster status), and the
+operator's drain of one replica."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 from controlplane import graph_pages, keys, paging
 from controlplane.api.auth import Ctx
@@ -10,7 +13,7 @@ from controlplane.graph import load_nodes
 from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
-from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError
 from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 from kunlun_common.tls import Identity
@@ -19,11 +22,20 @@ from kunlun_common.tls import Identity
 class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
     SERVICE = "kunlun.v1.ClusterService"
 
-    def __init__(self, store: EtcdStore, sessions: NodeSessions, elector: Elector, replica_name: str) -> None:
+    def __init__(
+        self,
+        store: EtcdStore,
+        sessions: NodeSessions,
+        elector: Elector,
+        replica_name: str,
+        drain_replica: Callable[[], Awaitable[cluster_pb2.DrainReplicaResponse]] | None = None,
+    ) -> None:
         self.store = store
         self.sessions = sessions
         self.elector = elector
         self.replica_name = replica_name
+        self.drain_replica = drain_replica
+        """Drains this replica and schedules its exit (Replica.drain); None: draining not offered."""
 
     @rpc
     async def ListDevices(
@@ -124,3 +136,26 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.WhoAmIRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.WhoAmIResponse:
         return cluster_pb2.WhoAmIResponse(identity=who.name, role=who.role)
+
+    @rpc
+    async def DrainReplica(
+        self, request: cluster_pb2.DrainReplicaRequest, context: Ctx, who: Identity
+    ) -> cluster_pb2.DrainReplicaResponse:
+        if not request.name:
+            raise InvalidInput(
+                msg("replica.drain_no_name", "name: give the replica to drain (`kunlun-cli cluster status`)")
+            )
+        if request.name != self.replica_name:
+            # a replica drains only itself: its process is the one that exits
+            raise PermanentError(
+                msg(
+                    "replica.drain_wrong_replica",
+                    "this is replica {me}, not {name}: send the drain to {name}'s own address "
+                    "(`kunlun-cli cluster replica drain {name}` looks it up)",
+                    me=self.replica_name,
+                    name=request.name,
+                )
+            )
+        if self.drain_replica is None:
+            raise PermanentError(msg("replica.drain_unavailable", "this replica cannot be drained"))
+        return await self.drain_replica()

@@ -25,10 +25,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     csub = cl.add_subparsers(dest="cmd", required=True)
     st = csub.add_parser("status", help="replicas, leader and etcd member health", parents=[common])
     st.set_defaults(handler=cluster_status)
-    from controlplane.cli import backup_cmd, etcd_cmd
+    from controlplane.cli import backup_cmd, etcd_cmd, replica_cmd
 
     backup_cmd.register(csub, common)
     etcd_cmd.register(csub, common)
+    replica_cmd.register(csub, common)
 
 
 def probe_health(client: Client, address: str) -> bool:

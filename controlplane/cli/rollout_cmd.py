@@ -67,6 +67,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     ):
         p = rs.add_parser(name, help=helptext, parents=[common])
         p.add_argument("workload")
+        if name == "status":
+            p.add_argument(
+                "--live",
+                action="store_true",
+                help="also analyse the current step now, with the gateways' counters so far",
+            )
         p.set_defaults(handler=fn)
     ls = rs.add_parser("list", help="every rollout", parents=[common])
     ls.set_defaults(handler=list_rollouts)
@@ -116,6 +122,7 @@ def rollout_json(r: rollout_pb2.Rollout) -> dict[str, Any]:
             "min_requests": r.spec.min_requests if r.spec.HasField("min_requests") else None,
         },
         "analysis": analysis_json(r.last_analysis) if r.HasField("last_analysis") else None,
+        "live_analysis": analysis_json(r.live_analysis) if r.HasField("live_analysis") else None,
         "reason": r.reason,
         "created_by": r.created_by,
         "created_at_unix_ms": r.created_at_unix_ms,
@@ -195,7 +202,11 @@ def abort(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    r = _call(args, "GetRollout", rollout_pb2.RolloutRequest(workload=args.workload))
+    r = _call(
+        args,
+        "GetRollout",
+        rollout_pb2.RolloutRequest(workload=args.workload, live_analysis=getattr(args, "live", False)),
+    )
     d = rollout_json(r)
     if args.output == "json":
         print_json(d)
@@ -223,32 +234,45 @@ def status(args: argparse.Namespace) -> int:
             )
         )
     print(_("Step:      {step} of {value}").format(step=d["step"], value=d["steps"] or _("manual (promote)")))
-    a = d["analysis"]
-    if a is not None:
+    if d["analysis"] is not None:
+        a = d["analysis"]
         print(
             _("Analysis:  {verdict} (step {value})  {reason}").format(
                 verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
             )
         )
-        rows = []
-        for name in ("baseline", "canary"):
-            v = a[name]
-            dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
-            rows.append(
-                [
-                    name,
-                    v["requests"],
-                    f"{v['error_rate']:.2%} ({v['errors']})",
-                    f"{v['p50_ms']:g} ms",
-                    f"{v['p95_ms']:g} ms",
-                    dev,
-                ]
+        _print_analysis(a)
+    if d["live_analysis"] is not None:
+        a = d["live_analysis"]
+        print(
+            _("Live:      {verdict} (step {value})  {reason}").format(
+                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
             )
-        print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
+        )
+        _print_analysis(a)
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
     return 0
+
+
+def _print_analysis(a: dict[str, Any]) -> None:
+    """The per-version table of one analysis."""
+    rows = []
+    for name in ("baseline", "canary"):
+        v = a[name]
+        dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
+        rows.append(
+            [
+                name,
+                v["requests"],
+                f"{v['error_rate']:.2%} ({v['errors']})",
+                f"{v['p50_ms']:g} ms",
+                f"{v['p95_ms']:g} ms",
+                dev,
+            ]
+        )
+    print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
 
 
 def list_rollouts(args: argparse.Namespace) -> int:

@@ -148,7 +148,11 @@ def lifecycle(
                 inst, kv = st.instances[iid]
                 units.append(remove_instance(inst, kv, st.allocs))
             if not have and not canaries.get(wid):
-                ops: list[Op] = [DeleteOp(wkv.key), DeleteOp(keys.workload_name(w.spec.name))]
+                ops: list[Op] = [
+                    DeleteOp(wkv.key),
+                    DeleteOp(keys.workload_name(w.spec.name)),
+                    DeleteOp(keys.rollout(w.id)),  # its rollout (if any) goes with it
+                ]
                 units.append(
                     Unit(
                         f"delete workload {w.spec.name}",

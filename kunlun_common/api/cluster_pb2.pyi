@@ -340,3 +340,64 @@ class WhoAmIResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WhoAmIResponse: _TypeAlias = WhoAmIResponse  # noqa: Y015
+
+@_typing.final
+class DrainReplicaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The replica to drain (its name in `kunlun-cli cluster status`); the call must reach that
+    replica itself (kunlun-cli sends it to the registered address).
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReplicaRequest: _TypeAlias = DrainReplicaRequest  # noqa: Y015
+
+@_typing.final
+class DrainReplicaResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    WAS_LEADER_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    HANDOVER_MS_FIELD_NUMBER: _builtins.int
+    STREAMS_ENDED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    pid: _builtins.int
+    """The process that drained and is exiting (its service manager starts a new one)."""
+    was_leader: _builtins.bool
+    """Whether it led when the drain began."""
+    leader: _builtins.str
+    """The replica that leads after the handover ("" when none took over within the wait)."""
+    handover_ms: _builtins.int
+    """Milliseconds from the call until leadership was handed over (0 when it did not lead)."""
+    streams_ended: _builtins.int
+    """Agent and gateway streams told to reconnect to another replica."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        was_leader: _builtins.bool = ...,
+        leader: _builtins.str = ...,
+        handover_ms: _builtins.int = ...,
+        streams_ended: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handover_ms", b"handover_ms", "leader", b"leader", "name", b"name", "pid", b"pid", "streams_ended", b"streams_ended", "was_leader", b"was_leader"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReplicaResponse: _TypeAlias = DrainReplicaResponse  # noqa: Y015

@@ -196,6 +196,7 @@ class Rollout(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     STEP_START_STATS_FIELD_NUMBER: _builtins.int
     LAST_ANALYSIS_FIELD_NUMBER: _builtins.int
+    LIVE_ANALYSIS_FIELD_NUMBER: _builtins.int
     workload_id: _builtins.str
     workload: _builtins.str
     baseline_model: _builtins.str
@@ -225,6 +226,10 @@ class Rollout(_message.Message):
 
     @_builtins.property
     def last_analysis(self) -> Global___RolloutAnalysis: ...
+    @_builtins.property
+    def live_analysis(self) -> Global___RolloutAnalysis:
+        """Filled in by GetRollout with live_analysis: the current step analysed at the time of the call."""
+
     def __init__(
         self,
         *,
@@ -245,10 +250,11 @@ class Rollout(_message.Message):
         history: _abc.Iterable[_workload_pb2.PhaseEvent] | None = ...,
         step_start_stats: _abc.Iterable[_gateway_pb2.GatewayStats] | None = ...,
         last_analysis: Global___RolloutAnalysis | None = ...,
+        live_analysis: Global___RolloutAnalysis | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -279,16 +285,22 @@ class RolloutRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    LIVE_ANALYSIS_FIELD_NUMBER: _builtins.int
     workload: _builtins.str
     """Workload name or id."""
+    live_analysis: _builtins.bool
+    """GetRollout only: also analyse the current step now, with the gateways' counters as stored
+    (`live_analysis`; nothing is written).
+    """
     def __init__(
         self,
         *,
         workload: _builtins.str = ...,
+        live_analysis: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["live_analysis", b"live_analysis", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

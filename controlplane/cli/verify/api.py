@@ -16,8 +16,9 @@ from kunlun_common.api import (
     cluster_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
     telemetry_pb2,
-    telemetry_pb2_grpc,
     types_pb2,
     workload_pb2,
 )
@@ -45,12 +46,9 @@ class Api:
         return self.client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
 
     def metrics(self, flt: str = "") -> list[telemetry_pb2.DeviceMetric]:
-        resp: telemetry_pb2.DeviceMetricsResponse = self.client.call_stub(
-            telemetry_pb2_grpc.TelemetryServiceStub,
-            lambda s: s.DeviceMetrics,
-            telemetry_pb2.DeviceMetricsRequest(filter=flt),
-        )
-        return list(resp.devices)
+        from controlplane.cli.telemetry_cmd import fetch_metrics
+
+        return list(fetch_metrics(self.client, flt).devices)
 
     def tool_reading(self, node: str) -> agent_pb2.ToolReadingResponse:
         """Every vendor tool of `node`, run now by its agent (a tool may take seconds: longer timeout)."""
@@ -80,7 +78,45 @@ class Api:
         )
         return sorted(found, key=lambda g: g.name)
 
+    def leader(self) -> str:
+        resp: cluster_pb2.ClusterStatusResponse = self.client.call(
+            lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest()
+        )
+        return resp.leader
+
+    def rollout(self, workload: str, live: bool = False) -> rollout_pb2.Rollout:
+        """The workload's rollout; with `live` also analysed now (`live_analysis`)."""
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.GetRollout,
+            rollout_pb2.RolloutRequest(workload=workload, live_analysis=live),
+        )
+        return resp
+
     # ------------------------------------------------------------------------------------ writes
+    def create_rollout(self, spec: rollout_pb2.RolloutSpec) -> rollout_pb2.Rollout:
+        """A rollout of one of the run's workloads (it goes when the workload is deleted)."""
+        if spec.workload not in self.created_workloads:
+            raise CliError(
+                _("internal: verify rolls out only its own workloads, found {name}").format(
+                    name=spec.workload
+                )
+            )
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.CreateRollout,
+            rollout_pb2.CreateRolloutRequest(spec=spec),
+        )
+        return resp
+
+    def promote(self, workload: str) -> rollout_pb2.Rollout:
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.PromoteRollout,
+            rollout_pb2.RolloutRequest(workload=workload),
+        )
+        return resp
+
     def name(self, what: str) -> str:
         return f"{NAME_PREFIX}{self.run_id}-{what}"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
-from controlplane.cli.verify import layer1, layer2, layer3, layer4, report
+from controlplane.cli.verify import layer1, layer2, layer3, layer4, layer5, report
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
@@ -32,7 +32,7 @@ TITLES = {
 
 
 def layer_functions() -> dict[int, LayerFn]:
-    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run}
+    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run, 5: layer5.run}
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -55,7 +55,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 3: the node whose cards to load (default: the one with most free cards)",
     )
     p.add_argument(
-        "--requests", type=int, default=1000, help="requests of the layer 3 burst (layers 2 and 5: a fifth)"
+        "--requests",
+        type=int,
+        default=1000,
+        help="requests of the layer 3 and 5 bursts (layer 2: a fifth, layer 4: half)",
     )
     p.add_argument("--concurrency", type=int, default=32, help="concurrent connections of a burst")
     p.add_argument("--burst-timeout", type=float, default=120.0, help="seconds after which a burst stops")
@@ -75,6 +78,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 1: compare each node's topology matrix with this device-plugin-config file (repeatable)",
     )
     p.add_argument("--disruptive", action="store_true", help="allow layer 5 (stops and restarts a replica)")
+    p.add_argument("--replica", default="", help="layer 5: the replica to drain (default: the leader)")
     p.set_defaults(handler=verify)
 
 
@@ -115,6 +119,7 @@ def _options(args: argparse.Namespace) -> Options:
         allow_busy=args.allow_busy,
         declared=tuple(args.declared),
         disruptive=args.disruptive,
+        replica=args.replica,
     )
 
 
