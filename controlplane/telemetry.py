@@ -18,11 +18,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controlplane import keys
+from controlplane import graph_pages, keys, paging
 from controlplane.graph import load_nodes
 from controlplane.metrics import WorkloadSpread, spread
 from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
+from controlplane.store.contract import prefix_end
 from controlplane.workloads import records
 from kunlun_common.api import telemetry_pb2, types_pb2, workload_pb2
 from kunlun_common.errors import InvalidInput
@@ -187,31 +188,80 @@ def device_metrics(
     nodes: list[types_pb2.Node], holders: dict[str, workload_pb2.Instance]
 ) -> list[telemetry_pb2.DeviceMetric]:
     """One flattened row per device, with the instance (and workload) holding it."""
-    out = []
-    for n in nodes:
-        for d in n.devices:
-            t = d.telemetry
-            inst = holders.get(d.name)
-            out.append(
-                telemetry_pb2.DeviceMetric(
-                    node=n.name,
-                    device=d.name,
-                    device_type=d.device_type,
-                    vendor=VENDORS.get(d.device_type, "unknown"),
-                    model=d.model,
-                    status=_status(d.status),
-                    health=t.health,
-                    utilization=t.utilization_pct / 100.0,
-                    memory_used_bytes=t.memory_used_mb * MB,
-                    memory_total_bytes=(d.hbm_memory_mb or d.total_memory_mb) * MB,
-                    temperature_c=t.temperature_c,
-                    power_w=t.power_w,
-                    sampled_at_unix_ms=t.sampled_at_unix_ms,
-                    instance=inst.id if inst else "",
-                    workload=inst.workload if inst else "",
-                )
+    return [metric_row(n.name, d, holders.get(d.name)) for n in nodes for d in n.devices]
+
+
+def metric_row(
+    node: str, d: types_pb2.Device, inst: workload_pb2.Instance | None
+) -> telemetry_pb2.DeviceMetric:
+    """One device's row, with the instance (and workload) holding it."""
+    t = d.telemetry
+    return telemetry_pb2.DeviceMetric(
+        node=node,
+        device=d.name,
+        device_type=d.device_type,
+        vendor=VENDORS.get(d.device_type, "unknown"),
+        model=d.model,
+        status=_status(d.status),
+        health=t.health,
+        utilization=t.utilization_pct / 100.0,
+        memory_used_bytes=t.memory_used_mb * MB,
+        memory_total_bytes=(d.hbm_memory_mb or d.total_memory_mb) * MB,
+        temperature_c=t.temperature_c,
+        power_w=t.power_w,
+        sampled_at_unix_ms=t.sampled_at_unix_ms,
+        instance=inst.id if inst else "",
+        workload=inst.workload if inst else "",
+    )
+
+
+HOLDER_READS = 64
+"""Instance records one page reads at once (each of a page's devices names at most one)."""
+
+
+async def device_metrics_page(
+    store: EtcdStore, sessions: NodeSessions | None, request: paging.PageRequest
+) -> tuple[list[telemetry_pb2.DeviceMetric], str, int]:
+    """One page of device rows (see controlplane/paging.py), their holders read at the page's
+    revision: the page's allocation keys, then the instances they name (O(page), not O(cluster)).
+    Returns (rows, next_page_token, revision)."""
+    page = await graph_pages.device_page(store, sessions, request)
+    holders = await holders_at(store, page.devices, page.revision)
+    rows = [metric_row(d.node, d, holders.get(d.name)) for d in page.devices]
+    return rows, page.next_page_token, page.revision
+
+
+async def holders_at(
+    store: EtcdStore, devices: list[types_pb2.Device], revision: int
+) -> dict[str, workload_pb2.Instance]:
+    """The placed instance holding each of `devices` (node by node, in name order) at `revision`."""
+    if not devices:
+        return {}
+    wanted = {d.name for d in devices}
+    first, last = devices[0].node, devices[-1].node
+    kvs, _, _ = await paging.read_range(
+        store, keys.ALLOC + first + "/", prefix_end(keys.ALLOC + last + "/"), 0, revision
+    )
+    held: dict[str, str] = {}
+    for kv in kvs:
+        dev = keys.alloc_device(kv.key)
+        if dev in wanted:
+            held[dev] = str(keys.decode(kv.value).get("instance", ""))
+    insts: dict[str, workload_pb2.Instance] = {}
+    ids = sorted(set(held.values()))
+    for at in range(0, len(ids), HOLDER_READS):
+        found = await asyncio.gather(
+            *(
+                paging.read_range(store, keys.instance(i), (keys.instance(i) + "\0").encode(), 1, revision)
+                for i in ids[at : at + HOLDER_READS]
             )
-    return out
+        )
+        for one, _, _ in found:
+            for kv in one:
+                inst = records.decode_instance(kv)
+                if inst.phase in PLACED_PHASES and inst.target_devices:
+                    insts[inst.id] = inst
+    return {dev: insts[iid] for dev, iid in held.items() if iid in insts and dev in insts[iid].target_devices}
 
 
 async def placed_instances(store: EtcdStore) -> list[workload_pb2.Instance]:

@@ -24,6 +24,7 @@ from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.package_service import PackageService
 from controlplane.api.rollout_service import RolloutService
+from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.cli.config import ClientConfig, write_client_config
 from controlplane.feeds import Feeds
@@ -37,6 +38,8 @@ from kunlun_common.api import (
     package_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
     types_pb2,
     workload_pb2,
     workload_pb2_grpc,
@@ -102,7 +105,7 @@ async def write_nodes(store: EtcdStore) -> None:
 
 
 async def clear_nodes(store: EtcdStore) -> None:
-    for prefix in (keys.NODES, keys.ALIVE, keys.TELEMETRY):
+    for prefix in (keys.NODES, keys.ALIVE, keys.TELEMETRY, keys.ALLOC, keys.INSTANCES):
         await store.delete(prefix, prefix=True)
 
 
@@ -123,6 +126,10 @@ class Server:
         gateway_pb2_grpc.add_EndpointServiceServicer_to_server(EndpointService(store), self.server)
         package_pb2_grpc.add_PackageServiceServicer_to_server(PackageService(store, feeds), self.server)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutService(store), self.server)
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
+            TelemetryService(store, None, "replica-1"),  # type: ignore[arg-type]
+            self.server,
+        )
         workload_pb2_grpc.add_WorkloadServiceServicer_to_server(
             WorkloadService(store, feeds, tls), self.server
         )
@@ -244,6 +251,41 @@ async def test_pages_stop_inside_a_node_and_resume_there(store: EtcdStore, serve
                     cluster_pb2.ListDevicesRequest(node="pg-none", page_size=5), timeout=30
                 )
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # the device metrics page the same way, each page with its devices' holders
+            inst = workload_pb2.Instance(
+                id="w1-0-9",
+                workload_id="w1",
+                workload="chat",
+                phase="Running",
+                node=node_name(1),
+                target_devices=[f"{node_name(1)}/ascend:5", f"{node_name(1)}/ascend:6"],
+            )
+            await store.put(keys.instance(inst.id), keys.encode_message(inst))
+            for d in inst.target_devices:
+                await store.put(keys.alloc(d), keys.encode({"instance": inst.id}))
+            tele = telemetry_pb2_grpc.TelemetryServiceStub(ch)
+            whole = await tele.DeviceMetrics(telemetry_pb2.DeviceMetricsRequest(), timeout=30)
+            for flt in ("", "workload==chat", "node=~pg-0002"):
+                rows: list[telemetry_pb2.DeviceMetric] = []
+                total, token = 0, ""
+                for _ in range(100):
+                    page = await tele.DeviceMetrics(
+                        telemetry_pb2.DeviceMetricsRequest(filter=flt, page_size=7, page_token=token),
+                        timeout=30,
+                    )
+                    assert page.total <= 7
+                    rows += page.devices
+                    total += page.total
+                    token = page.next_page_token
+                    if not token:
+                        break
+                assert total == whole.total == 3 * DEVICES
+                unpaged = await tele.DeviceMetrics(telemetry_pb2.DeviceMetricsRequest(filter=flt), timeout=30)
+                assert list(rows) == list(unpaged.devices), flt
+                assert rows, flt
+            held = [(r.device, r.instance, r.workload) for r in whole.devices if r.instance]
+            assert held == [(d, "w1-0-9", "chat") for d in inst.target_devices]
     finally:
         await clear_nodes(store)
 
@@ -331,6 +373,11 @@ LISTS: list[tuple[str, Callable[[grpc.aio.Channel], Any], Callable[..., Any]]] =
         "ListRollouts",
         lambda ch: rollout_pb2_grpc.RolloutServiceStub(ch).ListRollouts,
         rollout_pb2.ListRolloutsRequest,
+    ),
+    (
+        "DeviceMetrics",
+        lambda ch: telemetry_pb2_grpc.TelemetryServiceStub(ch).DeviceMetrics,
+        telemetry_pb2.DeviceMetricsRequest,
     ),
     (
         "ListWorkloads",

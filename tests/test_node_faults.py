@@ -41,7 +41,7 @@ def faults_cluster() -> Iterator[LocalCluster]:
         node_lease_ttl_s=LEASE_S,
         gateways=0,
         metrics=False,
-        extra_nodes=("node-x",),
+        extra_nodes=("node-x", "node-y"),
         agent_args=(
             "--test-engine-fallback",
             "--stop-engines-on-exit",
@@ -113,7 +113,7 @@ def test_preemption_waits_for_the_victims_slow_engine(faults_cluster: LocalClust
     assert any(r.startswith(f"waiting for device {dev}: still held by instance {low}") for r in seen), set(
         seen
     )
-    # the victim's engine ended by itself after its SIGTERM delay (not killed), before the new start
+    # the victim's engine (serving on 4 s after SIGTERM) was gone before the new one started
     (low_stop,) = runs_of(c, "node-b", low, "stop")
     (high_start,) = runs_of(c, "node-b", high, "start")
     assert not pid_alive(low_run["pid"])
@@ -212,27 +212,27 @@ def test_registration_is_refused_with_the_fencing_numbers(
     is too slow for THIS cluster's 3 s lease + 8 s grace is refused at registration, and never becomes
     a node."""
     c = faults_cluster
-    config = tmp_path / "node-x.yaml"
-    text = (Path(c.spec.node_configs[0])).read_text().replace("name: node-a", "name: node-x")
+    config = tmp_path / "node-y.yaml"
+    text = (Path(c.spec.node_configs[0])).read_text().replace("name: node-a", "name: node-y")
     config.write_text(text)
     argv = [
         a
-        for a in c.agent_argv(config, "node-x")
+        for a in c.agent_argv(config, "node-y")
         if not a.startswith(("--state-dir=", "--disconnect-stop=", "--stop-grace="))
     ]
     argv += [f"--state-dir={tmp_path / 'state'}", "--disconnect-stop=6", "--stop-grace=5"]
-    agent = ManagedProcess("agent-node-x", argv, tmp_path / "agent.log")
+    agent = ManagedProcess("agent-node-y", argv, tmp_path / "agent.log")
     agent.start()
     try:
         want = (
-            "node node-x: disconnect deadline 7s + stop grace 5s = 12s is not below node lease 3s + "
+            "node node-y: disconnect deadline 7s + stop grace 5s = 12s is not below node lease 3s + "
             "node_not_ready_grace_seconds 8s = 11s"
         )
         wait_for(lambda: want in agent.log_text(), 60, "the refusal in the agent's log")
         assert agent.alive(), "the agent keeps trying (the operator may raise the grace)"
         resp = c.call_any("ListNodes", cluster_pb2.ListNodesRequest())
         assert isinstance(resp, cluster_pb2.ListNodesResponse)
-        assert "node-x" not in {n.name for n in resp.nodes}
+        assert "node-y" not in {n.name for n in resp.nodes}
     finally:
         agent.stop()
     replica_logs = "".join(p.read_text() for p in (c.base / "replicas").glob("*.log"))

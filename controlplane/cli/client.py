@@ -125,7 +125,19 @@ class Client:
         field: str,
         page_size: int = PAGE_SIZE,
     ) -> Iterator[Any]:
-        """The items (`field` of each answer) of a paged List call, page after page: every page is
+        """The items (`field` of each answer) of a paged List call, page after page (`responses`)."""
+        for resp in self.responses(stub_cls, fn, request, field, page_size):
+            yield from getattr(resp, field)
+
+    def responses(
+        self,
+        stub_cls: Callable[[grpc.Channel], S],
+        fn: Callable[[S], Callable[..., Any]],
+        request: Any,
+        field: str,
+        page_size: int = PAGE_SIZE,
+    ) -> Iterator[Any]:
+        """The answers of a paged List call (of `field` items), page after page: every page is
         read at the first page's revision (controlplane/paging.py), whichever replica answers it.
         A replica from before paging answers everything in its first reply, with no token, which
         ends the loop too."""
@@ -135,7 +147,7 @@ class Client:
         try:
             for _page in range(1_000_000):  # bounded: every page moves forward
                 resp = self.call_stub(stub_cls, fn, request, channels)
-                yield from getattr(resp, field)
+                yield resp
                 request.page_token = resp.next_page_token
                 if not request.page_token:
                     return

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from controlplane.cli.client import CliError
+from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import telemetry_pb2, telemetry_pb2_grpc
 from kunlun_common.i18n import _
@@ -50,12 +50,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 def _fetch(args: argparse.Namespace, flt: str) -> telemetry_pb2.DeviceMetricsResponse:
     from controlplane.cli.main import make_client
 
-    resp: telemetry_pb2.DeviceMetricsResponse = make_client(args).call_stub(
+    return fetch_metrics(make_client(args), flt)
+
+
+def fetch_metrics(client: Client, flt: str) -> telemetry_pb2.DeviceMetricsResponse:
+    """Every device's row matching `flt`, page by page, as one answer (`total`: all devices)."""
+    out = telemetry_pb2.DeviceMetricsResponse()
+    for resp in client.responses(
         telemetry_pb2_grpc.TelemetryServiceStub,
         lambda s: s.DeviceMetrics,
         telemetry_pb2.DeviceMetricsRequest(filter=flt),
-    )
-    return resp
+        "devices",
+    ):
+        out.devices.extend(resp.devices)
+        out.total += resp.total
+        out.answered_by = resp.answered_by
+        out.revision = resp.revision
+    return out
 
 
 def metric_json(d: telemetry_pb2.DeviceMetric) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from kunlun_common.api import (
     rollout_pb2,
     rollout_pb2_grpc,
     telemetry_pb2,
-    telemetry_pb2_grpc,
     types_pb2,
     workload_pb2,
 )
@@ -47,12 +46,9 @@ class Api:
         return self.client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
 
     def metrics(self, flt: str = "") -> list[telemetry_pb2.DeviceMetric]:
-        resp: telemetry_pb2.DeviceMetricsResponse = self.client.call_stub(
-            telemetry_pb2_grpc.TelemetryServiceStub,
-            lambda s: s.DeviceMetrics,
-            telemetry_pb2.DeviceMetricsRequest(filter=flt),
-        )
-        return list(resp.devices)
+        from controlplane.cli.telemetry_cmd import fetch_metrics
+
+        return list(fetch_metrics(self.client, flt).devices)
 
     def tool_reading(self, node: str) -> agent_pb2.ToolReadingResponse:
         """Every vendor tool of `node`, run now by its agent (a tool may take seconds: longer timeout)."""
