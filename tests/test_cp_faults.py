@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ from tests.test_placement_safety import all_events, intervals, ledger, nodes_rea
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
 FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
 SKEW = {"replica-1": "-4m", "replica-2": "+4m"}
+IGNORED = "ignoring an assignment set older than the one applied (a lagging replica)"
 
 
 def faketime_lib() -> str:
@@ -64,6 +66,8 @@ def cp_cluster() -> Iterator[LocalCluster]:
             "--test-engine-fallback",
             "--stop-engines-on-exit",
             f"--disconnect-stop={DEADLINE_S:g}",
+            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
+            "--heartbeat-interval=0.5",  # must not stop the engines
             f"--stop-grace={STOP_GRACE_S:g}",
         ),
     )
@@ -123,6 +127,24 @@ def log_events(path: Path, event: str) -> list[dict[str, Any]]:
             if rec.get("event") == event:
                 out.append(rec)
     return out
+
+
+def connected(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to loopback port `port`."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        if state == "01" and inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
+            return True
+    return False
 
 
 def first_stamp(c: LocalCluster, replica: str) -> float:
@@ -270,15 +292,20 @@ def test_skewed_replica_clocks_no_early_move_no_overlap(cp_cluster: LocalCluster
         agent.resume()
 
 
-def test_stream_replica_killed_engine_keeps_running(cp_cluster: LocalCluster) -> None:
-    """kill -9 the replica holding an agent's stream: the agent registers with another replica
-    in time, so its engine is neither fenced nor moved, and new assignments still reach it."""
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_stream_replica_lost_engine_keeps_running(cp_cluster: LocalCluster, how: str) -> None:
+    """The replica holding an agent's stream killed (-9) or frozen (SIGSTOP, then the agent leaves
+    it after its ack timeout): the agent registers with another replica in time, so its engine is
+    neither stopped nor moved, and new assignments still reach it."""
     c = cp_cluster
     iid, node, old = place_one(c, "keep")
     holder = stream_holder(c, node)
     regs_before = len(log_events(agent_log(c, node), "registered with replica"))
     killed_at = time.monotonic()
-    c.replicas[holder].kill()
+    if how == "kill":
+        c.replicas[holder].kill()
+    else:
+        c.replicas[holder].pause()  # resumed by the `clean` fixture
     wait_for(
         lambda: len(log_events(agent_log(c, node), "registered with replica")) > regs_before,
         30,
@@ -297,7 +324,7 @@ def test_stream_replica_killed_engine_keeps_running(cp_cluster: LocalCluster) ->
     # stop grace) and the leader would have moved it (lease + grace)
     window = max(DEADLINE_S + FENCE_SLACK_S + STOP_GRACE_S, LEASE_S + GRACE_S) + 1.0
     while time.monotonic() - killed_at < window:
-        assert pid_alive(old["pid"]), "the engine stopped after its agent's replica was killed"
+        assert pid_alive(old["pid"]), f"the engine stopped after its agent's replica was lost ({how})"
         time.sleep(0.2)
     assert pid_alive(old["pid"])
     assert stops_of(c, node, iid) == []
@@ -418,3 +445,23 @@ def test_control_plane_outage_available_serves_strict_fences(cp_cluster: LocalCl
     assert pid_alive(av_old["pid"]), "the available engine was stopped by the outage"
     # one strict engine at a time; no device ever shared
     assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
+
+
+def test_agent_refuses_a_deadline_shorter_than_a_failover() -> None:
+    """The frozen-replica case above, as a start-up check: an agent whose disconnect deadline
+    leaves no time to reach another replica after the ack timeout is refused, with the numbers."""
+    from kunlun_common.errors import ConfigError
+    from node_agent.agent import check_fencing
+    from node_agent.main import build_settings
+
+    base = ["--config=node.yaml", "--endpoints=127.0.0.1:1", "--cert-dir=/nonexistent"]
+    with pytest.raises(ConfigError) as err:
+        check_fencing(build_settings([*base, "--disconnect-stop=3"]))
+    assert (
+        "--ack-timeout 3s + --heartbeat-interval 1s + failover to another replica 1s = 5s is more than "
+        "--disconnect-stop 3s: one frozen replica would stop every engine" in str(err.value)
+    )
+    check_fencing(
+        build_settings([*base, "--disconnect-stop=3", "--ack-timeout=1.5", "--heartbeat-interval=0.5"])
+    )
+    check_fencing(build_settings(base))  # the defaults: 3 + 1 + 1 = --disconnect-stop 5
