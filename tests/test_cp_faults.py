@@ -387,81 +387,92 @@ def chat(gateway: str, model: str, timeout: float = 5.0) -> int:
 
 
 def test_control_plane_outage_available_serves_strict_fences(cp_cluster: LocalCluster) -> None:
-    """Every replica frozen under gateway traffic: the `available` workload keeps serving with no
-    failed request (the gateway keeps its last endpoints, the engine is never fenced); the `strict`
-    one stops at its disconnect deadline (ledger cause fenced) and serves again once the control
-    plane is back."""
+    """Two whole-control-plane outages under gateway traffic: every replica frozen, then etcd
+    without quorum (2 of its 3 members killed; the replicas then withhold heartbeat acks). The
+    `available` workload keeps serving with no failed request (the gateway keeps its last
+    endpoints, the engine is never fenced); the `strict` one stops at its disconnect deadline and
+    serves again once the control plane is back."""
     c = cp_cluster
     av_id, _, av_old = place_one(c, "av", fencing="available")
-    st_id, st_node, st_old = place_one(c, "st")
+    place_one(c, "st")
     gw = next(iter(c.gateway_addrs.values()))
     wait_for(lambda: chat(gw, "av") == 200 and chat(gw, "st") == 200, 30, "the gateway routes to both")
-
     statuses: list[int] = []
+    lost = c.etcd.members[1:]
 
-    def traffic(n: int) -> None:
-        statuses.extend(chat(gw, "av") for _ in range(n))
+    def freeze() -> None:
+        for r in c.replicas.values():
+            r.pause()
 
-    for r in c.replicas.values():
-        r.pause()
-    frozen_at = time.monotonic()
-    try:
-        stops: list[dict[str, Any]] = []
-        for _ in range(400):  # bounded: about 0.05 s a request
-            traffic(5)
-            stops = [e for e in stops_of(c, st_node, st_id) if e["pid"] == st_old["pid"]]
-            if stops or time.monotonic() - frozen_at > 60:
-                break
-        assert stops, "the strict engine was not stopped during the outage"
-        fenced_after = time.monotonic() - frozen_at
-        # stopped by its agent at the deadline (it is alive, so it does it in order; its supervisor's
-        # fence is the backstop for a frozen or dead agent)
-        assert stops[-1]["cause"].startswith("stopped: no replica reachable for"), stops[-1]
-        assert not pid_alive(st_old["pid"])
-        # the deadline counts from the last acknowledged heartbeat, at most an interval (1 s) before
-        assert fenced_after >= DEADLINE_S - 1.0, fenced_after
-        # the strict workload is gone from the data plane meanwhile; the available one still serves
-        traffic(20)
-        assert chat(gw, "st") != 200
-        assert pid_alive(av_old["pid"])
-    finally:
+    def thaw() -> None:
         for r in c.replicas.values():
             r.resume()
-        resumed_at = time.monotonic()
-    recovered = False
-    for _ in range(600):
-        traffic(2)
-        recovered = running_on(c, "st", "node-") and chat(gw, "st") == 200
-        if recovered or time.monotonic() - frozen_at > 150:
-            break
-    assert recovered, [(i.phase, i.reason) for i in get(c, "st").instances]
-    print(
-        f"outage: strict stopped {fenced_after:.1f}s after the freeze, serving again "
-        f"{time.monotonic() - resumed_at:.1f}s after the resume; {len(statuses)} requests to av"
-    )
+
+    def quorum_lost() -> None:
+        for m in lost:
+            m.proc.kill()
+
+    def quorum_back() -> None:
+        for m in lost:
+            m.proc.start()
+
+    figures = [
+        outage(c, gw, statuses, "every replica frozen", freeze, thaw),
+        outage(c, gw, statuses, "etcd quorum lost", quorum_lost, quorum_back),
+    ]
+    print("; ".join(figures), f"; {len(statuses)} requests to the available workload")
     failed = [s for s in statuses if s != 200]
     assert not failed, f"{len(failed)} of {len(statuses)} requests to the available workload failed"
-    assert len(statuses) >= 100
-    assert pid_alive(av_old["pid"]), "the available engine was stopped by the outage"
+    assert len(statuses) >= 200
+    assert pid_alive(av_old["pid"]), "the available engine was stopped by an outage"
     # one strict engine at a time; no device ever shared
     assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
 
 
-def test_agent_refuses_a_deadline_shorter_than_a_failover() -> None:
-    """The frozen-replica case above, as a start-up check: an agent whose disconnect deadline
-    leaves no time to reach another replica after the ack timeout is refused, with the numbers."""
-    from kunlun_common.errors import ConfigError
-    from node_agent.agent import check_fencing
-    from node_agent.main import build_settings
+def outage(
+    c: LocalCluster,
+    gw: str,
+    statuses: list[int],
+    what: str,
+    begin: Callable[[], None],
+    end: Callable[[], None],
+) -> str:
+    """One outage with requests to `av` all along: the strict engine of `st` stops at its deadline
+    and `st` serves again after `end`. Returns the figures."""
 
-    base = ["--config=node.yaml", "--endpoints=127.0.0.1:1", "--cert-dir=/nonexistent"]
-    with pytest.raises(ConfigError) as err:
-        check_fencing(build_settings([*base, "--disconnect-stop=3"]))
-    assert (
-        "--ack-timeout 3s + --heartbeat-interval 1s + failover to another replica 1s = 5s is more than "
-        "--disconnect-stop 3s: one frozen replica would stop every engine" in str(err.value)
-    )
-    check_fencing(
-        build_settings([*base, "--disconnect-stop=3", "--ack-timeout=1.5", "--heartbeat-interval=0.5"])
-    )
-    check_fencing(build_settings(base))  # the defaults: 3 + 1 + 1 = --disconnect-stop 5
+    def traffic(n: int) -> None:
+        statuses.extend(chat(gw, "av") for _ in range(n))
+
+    inst = get(c, "st").instances[0]
+    run = engine_run(c, inst.node, inst.id)
+    begin()
+    began = time.monotonic()
+    try:
+        stops: list[dict[str, Any]] = []
+        for _ in range(400):  # bounded: about 0.05 s a request
+            traffic(5)
+            stops = [e for e in stops_of(c, inst.node, inst.id) if e["pid"] == run["pid"]]
+            if stops or time.monotonic() - began > 60:
+                break
+        assert stops, f"{what}: the strict engine was not stopped"
+        stopped_after = time.monotonic() - began
+        # stopped by its agent at the deadline (it is alive, so it does it in order; its
+        # supervisor's fence is the backstop for a frozen or dead agent)
+        assert stops[-1]["cause"].startswith("stopped: no replica reachable for"), stops[-1]
+        assert not pid_alive(run["pid"])
+        # the deadline counts from the last acknowledged heartbeat, at most an interval before
+        assert stopped_after >= DEADLINE_S - 1.0, (what, stopped_after)
+        # the strict workload is gone from the data plane meanwhile; the available one serves on
+        traffic(20)
+        assert chat(gw, "st") != 200
+    finally:
+        end()
+    ended = time.monotonic()
+    recovered = False
+    for _ in range(600):
+        traffic(2)
+        recovered = running_on(c, "st", "node-") and chat(gw, "st") == 200
+        if recovered or time.monotonic() - ended > 120:
+            break
+    assert recovered, (what, [(i.phase, i.reason) for i in get(c, "st").instances])
+    return f"{what}: strict stopped after {stopped_after:.1f}s, serving {time.monotonic() - ended:.1f}s after"
