@@ -27,6 +27,7 @@ from controlplane.store.contract import Resync, WatchEvent
 from kunlun_common.api import security_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, KunlunError
+from kunlun_common.messages import msg
 from kunlun_common.tls import identity_of
 
 log = structlog.get_logger("certs")
@@ -48,8 +49,11 @@ def parse_serial(text: str) -> str:
     t = text.strip().lower().removeprefix("0x").replace(":", "").replace(" ", "")
     if not t or len(t) > 40 or any(c not in "0123456789abcdef" for c in t):
         raise InvalidInput(
-            f"serial: {text!r} is not a certificate serial number in hex (e.g. 1f:a3:... from "
-            "`openssl x509 -noout -serial`, or a certificate name with `certs revoke DIR NAME`)"
+            msg(
+                "certs.serial_not_certificate_serial",
+                "serial: {text!r} is not a certificate serial number in hex (e.g. 1f:a3:... from `openssl x509 -noout -serial`, or a certificate name with `certs revoke DIR NAME`)",
+                text=text,
+            )
         )
     return t.lstrip("0") or "0"
 
@@ -69,11 +73,15 @@ async def revoke(store: EtcdStore, serial: str, name: str, reason: str, by: str)
     """Record a revocation (idempotent: revoking again keeps the first record)."""
     s = parse_serial(serial)
     if len(name) > 256 or len(reason) > 1024:
-        raise InvalidInput("name/reason: at most 256/1024 characters")
+        raise InvalidInput(msg("certs.name_reason_at_most", "name/reason: at most 256/1024 characters"))
     kvs, _ = await store.get_prefix(REVOKED)
     if len(kvs) >= MAX_REVOCATIONS:
         raise InvalidInput(
-            f"the revocation list holds {MAX_REVOCATIONS} entries; expired certificates need none"
+            msg(
+                "certs.revocation_list_holds_entries",
+                "the revocation list holds {max_revocations} entries; expired certificates need none",
+                max_revocations=MAX_REVOCATIONS,
+            )
         )
     rec = {"serial": s, "name": name, "reason": reason, "by": by, "at_ms": now_ms()}
     result = await store.create(REVOKED + s, keys.encode(rec))

@@ -12,6 +12,7 @@ none of it (see `controlplane.cache`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -208,6 +209,27 @@ ROUTING = (
 scheduler settings carry the gateways' profiling switch)."""
 
 
+def spec_ref(spec: workload_pb2.WorkloadSpec) -> str:
+    """The key of a spec in an assignment set's `specs`: a digest of its deterministic encoding."""
+    return hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()[:24]
+
+
+def share_specs(full: agent_pb2.Assignments) -> agent_pb2.Assignments:
+    """The same set with each distinct spec once in `specs`, named by the items' `spec_ref`
+    (what an agent that registered with `shared_specs` receives; node_agent/assignment_check.py
+    expands it back)."""
+    out = agent_pb2.Assignments(revision=full.revision, cluster_id=full.cluster_id)
+    for a in full.items:
+        ref = spec_ref(a.spec)
+        if ref not in out.specs:
+            out.specs[ref].CopyFrom(a.spec)
+        item = out.items.add()
+        item.CopyFrom(a)
+        item.ClearField("spec")
+        item.spec_ref = ref
+    return out
+
+
 class Feeds:
     """A replica's live view for assignments, endpoints and status overlays."""
 
@@ -259,8 +281,11 @@ class Feeds:
             out.append(inst)
         return out
 
-    def assignments_for(self, node: str) -> agent_pb2.Assignments:
-        """The node's full assignment set, from the per-node index: O(instances on the node)."""
+    def assignments_for(self, node: str, shared_specs: bool = False) -> agent_pb2.Assignments:
+        """The node's full assignment set, from the per-node index: O(instances on the node).
+
+        `shared_specs` (the agent registered saying it understands them): each distinct spec is sent
+        once in `specs` and the items name it by `spec_ref`, instead of a copy in every item."""
         idx = self.index
         self.cache.work.computes += 1
         self.cache.work.lookups += 1
@@ -281,7 +306,8 @@ class Feeds:
                 )
             )
         items.sort(key=lambda a: a.instance_id)
-        return agent_pb2.Assignments(items=items, revision=self.cache.revision, cluster_id=self.cluster_id)
+        out = agent_pb2.Assignments(items=items, revision=self.cache.revision, cluster_id=self.cluster_id)
+        return share_specs(out) if shared_specs else out
 
     def endpoints(self) -> workload_pb2.EndpointsSnapshot:
         idx = self.index

@@ -20,11 +20,12 @@ from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_confi
 from controlplane.store import EtcdStore
 from kunlun_common.api import types_pb2
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import Message, msg
 
 
 def fencing_problem(
     node: str, deadline_s: float, stop_grace_s: float, lease_ttl_s: float, grace_s: float
-) -> str | None:
+) -> Message | None:
     """The broken inequality in words with every number, or None when it holds (or the agent did
     not say: an agent that does not fence itself is not checked)."""
     if deadline_s <= 0:
@@ -33,11 +34,19 @@ def fencing_problem(
     moved_after = lease_ttl_s + grace_s
     if fenced_by < moved_after:
         return None
-    return (
-        f"node {node}: disconnect deadline {deadline_s:g}s + stop grace {stop_grace_s:g}s = {fenced_by:g}s "
-        f"is not below node lease {lease_ttl_s:g}s + node_not_ready_grace_seconds {grace_s:g}s = "
-        f"{moved_after:g}s, so a cut-off node's engine could still run when its instance starts elsewhere; "
-        "lower the agent's --disconnect-stop/--stop-grace or raise node_not_ready_grace_seconds"
+    return msg(
+        "fencing.too_slow",
+        "node {node}: disconnect deadline {deadline_s:g}s + stop grace {stop_grace_s:g}s = {fenced_by:g}s "
+        "is not below node lease {lease_ttl_s:g}s + node_not_ready_grace_seconds {grace_s:g}s = "
+        "{moved_after:g}s, so a cut-off node's engine could still run when its instance starts elsewhere; "
+        "lower the agent's --disconnect-stop/--stop-grace or raise node_not_ready_grace_seconds",
+        node=node,
+        deadline_s=deadline_s,
+        stop_grace_s=stop_grace_s,
+        fenced_by=fenced_by,
+        lease_ttl_s=lease_ttl_s,
+        grace_s=grace_s,
+        moved_after=moved_after,
     )
 
 
@@ -52,7 +61,7 @@ async def stored_config(store: EtcdStore) -> SchedulerConfig:
         return SchedulerConfig()
 
 
-def node_problems(nodes: Iterable[types_pb2.Node], grace_s: float, lease_ttl_s: float = 0) -> list[str]:
+def node_problems(nodes: Iterable[types_pb2.Node], grace_s: float, lease_ttl_s: float = 0) -> list[Message]:
     """Registered nodes whose fencing breaks the rule with `grace_s` (and each node's recorded lease
     TTL, or `lease_ttl_s` when given)."""
     out = []

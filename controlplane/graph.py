@@ -9,12 +9,13 @@ snapshot in etcd.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 from google.protobuf import json_format
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.nodes import NodeSessions
-from controlplane.store import EtcdStore
+from controlplane.store import KV, EtcdStore
 from kunlun_common.api import types_pb2
 
 
@@ -23,9 +24,34 @@ async def load_nodes(store: EtcdStore, sessions: NodeSessions | None = None) -> 
     (node_kvs, _), (alive_kvs, _), (tele_kvs, _) = await asyncio.gather(
         store.get_prefix(keys.NODES), store.get_prefix(keys.ALIVE), store.get_prefix(keys.TELEMETRY)
     )
+    nodes = list(merged(node_kvs, alive_kvs, tele_kvs, sessions))
+    nodes.sort(key=lambda n: n.name)
+    return nodes
+
+
+async def load_node_records(
+    store: EtcdStore, sessions: NodeSessions | None, node_kvs: list[KV], revision: int
+) -> Iterator[types_pb2.Node]:
+    """These node records (one page of a listing, in key order) merged with their nodes' liveness
+    and telemetry as read at `revision`: one key range each, from the first node to the last.
+    Each record is decoded when the iterator reaches it (a page may stop early)."""
+    if not node_kvs:
+        return iter(())
+    first, last = keys.last_segment(node_kvs[0].key), keys.last_segment(node_kvs[-1].key)
+    (alive_kvs, _, _), (tele_kvs, _, _) = await asyncio.gather(
+        paging.read_range(store, *paging.companion_range(keys.ALIVE, first, last), 0, revision),
+        paging.read_range(store, *paging.companion_range(keys.TELEMETRY, first, last), 0, revision),
+    )
+    return merged(node_kvs, alive_kvs, tele_kvs, sessions)
+
+
+def merged(
+    node_kvs: list[KV], alive_kvs: list[KV], tele_kvs: list[KV], sessions: NodeSessions | None
+) -> Iterator[types_pb2.Node]:
+    """Node records with liveness and telemetry merged in, in the records' order, decoded one by
+    one as the caller iterates."""
     alive = {keys.last_segment(kv.key): keys.decode(kv.value) for kv in alive_kvs}
     tele = {keys.last_segment(kv.key): keys.decode(kv.value) for kv in tele_kvs}
-    nodes: list[types_pb2.Node] = []
     for kv in node_kvs:
         node = types_pb2.Node()
         keys.decode_message(kv.value, node)
@@ -44,6 +70,4 @@ async def load_nodes(store: EtcdStore, sessions: NodeSessions | None = None) -> 
             if not node.ready and d.status != types_pb2.DEVICE_STATUS_ERROR:
                 d.status = types_pb2.DEVICE_STATUS_UNAVAILABLE
                 d.status_reason = f"node {node.name} is NotReady (its agent stopped sending heartbeats)"
-        nodes.append(node)
-    nodes.sort(key=lambda n: n.name)
-    return nodes
+        yield node

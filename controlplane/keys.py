@@ -31,6 +31,7 @@ that finds a newer `schema` than it knows logs it and uses what it understands.
 | package-trust/<key id>             | API (PackageService)  | a trusted package-signing public key and who added it | - |
 | restoring                          | `cluster restore`     | {"schema", "started_at_ms", "backup_revision", "backup_cluster_id"}: a restore is writing | - |
 | package-policy                     | API (PackageService)  | {"schema", "require_signed_packages", "by", "at_ms"} (controlplane/package_policy.py) | - |
+| watch-heartbeats/<replica>         | each replica          | {"schema", "seq", "at_ms"}: rewritten every few seconds to time its own watch (controlplane/watch_lag.py) | replica lease |
 
 An ordinal has at most one instance: instance ids are unique per incarnation
 (`<workload id>-<ordinal>-<revision>`), so creation compares the ordinal's `instance-slots/` key
@@ -82,10 +83,12 @@ PACKAGE_TRUST = ROOT + "package-trust/"
 PACKAGE_POLICY = ROOT + "package-policy"
 SCHEMA = 1
 
+WATCH_HEARTBEATS = ROOT + "watch-heartbeats/"
+"""Each replica's heartbeat key, timed from its write until its own watch delivers it (watch lag)."""
 RESTORING = ROOT + "restoring"
 """Exists while `kunlun-cli cluster restore` writes the keys (first written, last deleted);
 replicas do not start serving while it exists, so none acts on a half-restored cluster."""
-NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS, RESTORING)
+NEVER_RESTORED = (LEADER, LEADER_STATE, REPLICAS, ALIVE, GATEWAYS, GATEWAY_STATS, RESTORING, WATCH_HEARTBEATS)
 """Per-process and per-term keys a restore from backup never writes back (most are also bound to
 leases, which a backup leaves out anyway): a restored cluster elects its leader afresh, replicas
 and gateways register again, and nodes are alive again once their agents reconnect."""
@@ -95,6 +98,10 @@ LIVE_MARKERS = (LEADER, REPLICAS)
 
 def replica(name: str) -> str:
     return REPLICAS + name
+
+
+def watch_heartbeat(name: str) -> str:
+    return WATCH_HEARTBEATS + name
 
 
 def node(name: str) -> str:

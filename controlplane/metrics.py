@@ -1,6 +1,7 @@
 """The replica's Prometheus metrics: leadership, API and etcd latency, the scheduler and rollouts.
 
-- every replica: `kunlun_replica_leader` / `kunlun_replica_leader_epoch`, API latency by method
+- every replica: `kunlun_replica_leader` / `kunlun_replica_leader_epoch`, its watch lag
+  (`kunlun_replica_watch_lag_seconds`, controlplane/watch_lag.py), API latency by method
   and code (every unary handler's `@rpc` wrapper calls `api_observed`), etcd request latency and errors by operation (`EtcdStore`
   calls `etcd_observed`);
 - the leader only (the others would repeat it): scheduler queue depth per priority, placements,
@@ -75,6 +76,7 @@ class ReplicaCollector(Collector):
         self.terms = 0
         self.temperature_limit_c = 0.0
         self.etcd_quota_bytes = 0
+        self.watch_lag_s: float | None = None
         self.view: LeaderView | None = None
 
     def collect(self) -> Iterator[Metric]:
@@ -97,6 +99,15 @@ class ReplicaCollector(Collector):
         )
         terms.add_metric([self.name], float(self.terms))
         yield terms
+        lag = GaugeMetricFamily(
+            "kunlun_replica_watch_lag_seconds",
+            "Time from this replica's heartbeat write to its watch-fed cache seeing it (at least the age "
+            "of a heartbeat not seen yet)",
+            labels=("replica",),
+        )
+        if self.watch_lag_s is not None:
+            lag.add_metric([self.name], self.watch_lag_s)
+        yield lag
         view = self.view
         if view is None:
             return
@@ -213,6 +224,7 @@ class ReplicaMetrics:
         self.leader_state: Callable[[], tuple[bool, int, int]] = lambda: (False, 0, 0)
         self.temperature_limit_c = 0.0
         self.leader_view: Callable[[], Awaitable[LeaderView]] | None = None
+        self.watch_lag: Callable[[], float | None] = lambda: None
 
     # ------------------------------------------------------------------ hooks
     def api_observed(self, method: str, code: str, seconds: float) -> None:
@@ -252,6 +264,7 @@ class ReplicaMetrics:
         leader, epoch, terms = self.leader_state()
         c = self.collector
         c.leader, c.epoch, c.terms, c.temperature_limit_c = leader, epoch, terms, self.temperature_limit_c
+        c.watch_lag_s = self.watch_lag()
         if not leader:
             self.not_leader()
         view = None

@@ -21,6 +21,7 @@ from controlplane.store import EtcdStore, PutOp
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from kunlun_common.messages import Message
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
 from kunlun_common.retry import backoff_delay
 
@@ -99,7 +100,7 @@ class NodeSessions:
         self.sessions: dict[str, NodeSession] = {}
         self._lock = asyncio.Lock()
 
-    async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> str | None:
+    async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> Message | None:
         """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
         from controlplane.fencing import fencing_problem, stored_config
 

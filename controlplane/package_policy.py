@@ -16,6 +16,7 @@ from controlplane.store.contract import PutOp
 from kunlun_common.api import package_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConcurrentChange
+from kunlun_common.messages import msg
 
 POLICY = keys.PACKAGE_POLICY
 AUDIT_POLICY = keys.AUDIT + "package-policy/"
@@ -47,5 +48,10 @@ async def set_policy(store: EtcdStore, require_signed: bool, by: str) -> package
         [PutOp(POLICY, keys.encode(rec)), PutOp(f"{AUDIT_POLICY}{at:013d}-set", keys.encode(audit))],
     )
     if not res.succeeded:
-        raise ConcurrentChange("the package policy changed meanwhile; try again")
+        raise ConcurrentChange(
+            msg(
+                "package.policy.package_policy_changed_meanwhile",
+                "the package policy changed meanwhile; try again",
+            )
+        )
     return policy_message(rec)

@@ -31,6 +31,7 @@ from controlplane.package_store import (
 from controlplane.store import EtcdStore
 from kunlun_common.api import package_pb2
 from kunlun_common.errors import InvalidInput, NotFoundError, PermissionRefused, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg import PackageError
 from kunlun_common.tls import Identity
 
@@ -41,7 +42,14 @@ def digest_hex(ref: str, field: str = "ref") -> str:
     """The hex digest of `[NAME@]sha256:HEX`; InvalidInput naming `field` otherwise."""
     m = REF_RE.match(ref)
     if not m:
-        raise InvalidInput(f"{field}: {ref[:80]!r} is not [NAME@]sha256:DIGEST (see `kunlun-cli model list`)")
+        raise InvalidInput(
+            msg(
+                "package.pull.not_name_sha_digest",
+                "{field}: {value!r} is not [NAME@]sha256:DIGEST (see `kunlun-cli model list`)",
+                field=field,
+                value=ref[:80],
+            )
+        )
     return m["hex"]
 
 
@@ -53,8 +61,13 @@ def check_may_pull(feeds: Feeds, who: Identity, hexd: str) -> None:
         if a.spec.package.endswith("sha256:" + hexd):
             return
     raise PermissionRefused(
-        f"{who} may pull only packages its node's assignments name; no instance on node {who.name} "
-        f"uses sha256:{hexd[:12]}…"
+        msg(
+            "package.pull.may_pull_only_packages",
+            "{who} may pull only packages its node's assignments name; no instance on node {name} uses sha256:{value}…",
+            who=who,
+            name=who.name,
+            value=hexd[:12],
+        )
     )
 
 
@@ -69,7 +82,12 @@ async def _chunk_record(blobs: BlobStore, store: EtcdStore, hexd: str) -> bytes:
         await verify_blob(blobs.blob(hexd), await trusted_keys(store))
     except PackageError as e:
         raise TemporaryError(
-            f"this replica's copy of sha256:{hexd[:12]}… is damaged ({e}); ask another"
+            msg(
+                "package.pull.this_replica_copy_sha",
+                "this replica's copy of sha256:{value}… is damaged ({e}); ask another",
+                value=hexd[:12],
+                e=e,
+            )
         ) from None
     record = await asyncio.to_thread(chunk_digests_of, blobs.blob(hexd))
     tmp = path.with_suffix(".chunks.tmp")
@@ -91,29 +109,57 @@ async def stream_package(
     kv = await store.get(PACKAGES + hexd)
     if kv is None:
         raise NotFoundError(
-            f"package sha256:{hexd[:12]}… is not in the cluster store; push it (`kunlun-cli model push`)"
+            msg(
+                "package.pull.package_sha_not_cluster",
+                "package sha256:{value}… is not in the cluster store; push it (`kunlun-cli model push`)",
+                value=hexd[:12],
+            )
         )
     holders = [str(h) for h in keys.decode(kv.value).get("holders", [])]
     blob = blobs.blob(hexd) if blobs is not None else None
     if blobs is None or blob is None or not blob.is_file():
         raise TemporaryError(
-            f"replica {replica} holds no copy of sha256:{hexd[:12]}…; holders: {', '.join(holders)}"
+            msg(
+                "package.pull.replica_holds_no_copy",
+                "replica {replica} holds no copy of sha256:{value}…; holders: {items}",
+                replica=replica,
+                value=hexd[:12],
+                items=", ".join(holders),
+            )
         )
     size = (await asyncio.to_thread(blob.stat)).st_size
     if offset < 0 or offset > size or offset % PULL_CHUNK:
         raise InvalidInput(
-            f"offset: {offset} is not a chunk boundary (multiple of {PULL_CHUNK}) within {size} bytes"
+            msg(
+                "package.pull.offset_not_chunk_boundary",
+                "offset: {offset} is not a chunk boundary (multiple of {pull_chunk}) within {size} bytes",
+                offset=offset,
+                pull_chunk=PULL_CHUNK,
+                size=size,
+            )
         )
     record = await _chunk_record(blobs, store, hexd)
     if len(record) != 32 * -(-size // PULL_CHUNK):
         raise TemporaryError(
-            f"replica {replica}: chunk record of sha256:{hexd[:12]}… does not match its blob; ask another"
+            msg(
+                "package.pull.replica_chunk_record_sha",
+                "replica {replica}: chunk record of sha256:{value}… does not match its blob; ask another",
+                replica=replica,
+                value=hexd[:12],
+            )
         )
     pos = offset
     while pos < size:
         data = await asyncio.to_thread(_read, blob, pos, PULL_CHUNK)
         if not data:
-            raise TemporaryError(f"replica {replica}: blob sha256:{hexd[:12]}… shrank while being read")
+            raise TemporaryError(
+                msg(
+                    "package.pull.replica_blob_sha_shrank",
+                    "replica {replica}: blob sha256:{value}… shrank while being read",
+                    replica=replica,
+                    value=hexd[:12],
+                )
+            )
         i = pos // PULL_CHUNK
         yield package_pb2.PackageChunk(
             offset=pos,

@@ -28,6 +28,7 @@ from controlplane.store import Compare, EtcdStore
 from controlplane.store.contract import DeleteOp, PutOp
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg import TrustedKeys, Verified, verify_file
 
 PACKAGES = keys.PACKAGES
@@ -141,8 +142,12 @@ async def add_holder(store: EtcdStore, rec: dict[str, Any], replica: str, quota:
         if kv is None:
             if await used_bytes(store, hexd) + int(rec["size_bytes"]) > quota:
                 raise QuotaExceeded(
-                    f"package store quota of {quota} bytes would be exceeded by {rec['size_bytes']} bytes; "
-                    "delete packages (`kunlun-cli model delete`) or raise package_store_quota_bytes"
+                    msg(
+                        "package.store.package_store_quota_bytes",
+                        "package store quota of {quota} bytes would be exceeded by {size_bytes} bytes; delete packages (`kunlun-cli model delete`) or raise package_store_quota_bytes",
+                        quota=quota,
+                        size_bytes=rec["size_bytes"],
+                    )
                 )
             new = {**rec, "holders": [replica]}
             res = await store.txn([Compare.absent(key)], [PutOp(key, keys.encode(new))])
@@ -155,7 +160,9 @@ async def add_holder(store: EtcdStore, rec: dict[str, Any], replica: str, quota:
             res = await store.txn([Compare.unchanged(key, kv.mod_revision)], [PutOp(key, keys.encode(new))])
         if res.succeeded:
             return new
-    raise TemporaryError(f"index {key} kept changing; push again")
+    raise TemporaryError(
+        msg("package.store.index_kept_changing_push", "index {key} kept changing; push again", key=key)
+    )
 
 
 async def remove_holder(store: EtcdStore, hexd: str, replica: str) -> dict[str, Any] | None:
@@ -174,7 +181,9 @@ async def remove_holder(store: EtcdStore, hexd: str, replica: str) -> dict[str, 
         res = await store.txn([Compare.unchanged(key, kv.mod_revision)], [op])
         if res.succeeded:
             return {**cur, "holders": holders}
-    raise TemporaryError(f"index {key} kept changing; delete again")
+    raise TemporaryError(
+        msg("package.store.index_kept_changing_delete", "index {key} kept changing; delete again", key=key)
+    )
 
 
 def remove_file(p: Path) -> None:

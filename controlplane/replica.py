@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane import audit, keys, telemetry
 from controlplane.api.agent_service import AgentService
 from controlplane.api.cluster_service import ClusterService
+from controlplane.api.drain import DrainState
 from controlplane.api.endpoint_service import EndpointService
 from controlplane.api.gateway_service import GatewayService
 from controlplane.api.guard import CallGuard
@@ -38,6 +39,7 @@ from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, StoreSettings
+from controlplane.watch_lag import WatchLag
 from kunlun_common import tls
 from kunlun_common.api import (
     agent_pb2_grpc,
@@ -53,12 +55,15 @@ from kunlun_common.api import (
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
 from kunlun_common.metrics_http import MetricsServer
-from kunlun_common.profiling import Profiler
+from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
+from kunlun_common.wire_limits import replica_server_options
 
 log = structlog.get_logger("replica")
 VERSION = "0.1.0"
+DRAIN_STREAMS_WAIT_S = 5.0
+"""A drain waits at most this long for the streams it ended to close before answering."""
 
 
 class Replica:
@@ -109,8 +114,11 @@ class Replica:
         )
         self.metrics.collector.etcd_quota_bytes = settings.etcd_quota_bytes
         self.metrics.leader_view = self._leader_view
+        self.watch_lag = WatchLag(self.store, self.feeds.cache, settings.name, settings.watch_heartbeat_s)
+        self.metrics.watch_lag = self.watch_lag.lag_s
         self.profiler = Profiler(settings.profiling, f"replica.{settings.name}")
         """Run-time profiling, switched by the scheduler settings (controlplane/profiling_feed.py)."""
+        self.metrics.registry.register(ProfilerCollector(self.profiler))
         self.metrics_server: MetricsServer | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health_aio.HealthServicer()
@@ -118,6 +126,10 @@ class Replica:
         self._lease = 0
         self.metrics_address = ""
         self.stopped = asyncio.Event()
+        self.drain_state = DrainState(settings.name)
+        self.exit_requested = asyncio.Event()
+        """Set by a drain once it is done: `serve` stops the replica and the process exits 0."""
+        self._drain: asyncio.Future[cluster_pb2.DrainReplicaResponse] | None = None
 
     async def _leader_view(self) -> LeaderView:
         (nodes, spreads), members = await asyncio.gather(
@@ -183,7 +195,7 @@ class Replica:
         grace = (await stored_config(self.store)).node_not_ready_grace_seconds
         problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
         if problems:
-            raise ConfigError("node_lease_ttl_s: " + "; ".join(problems))
+            raise ConfigError("node_lease_ttl_s: " + "; ".join(str(p) for p in problems))
 
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
@@ -226,9 +238,10 @@ class Replica:
             options=[
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                *replica_server_options(),  # the agent channel's limits, mirrored by the agents
             ],
         )
-        cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name)
+        cluster = ClusterService(self.store, self.sessions, self.elector, self.settings.name, self.drain)
         agent = AgentService(self.sessions, self.feeds, self.settings.name, self.settings.node_lease_ttl_s)
         workload = WorkloadService(self.store, self.feeds, self.tls)
         gateway = GatewayService(self.store, self.feeds, self.settings.name)
@@ -271,6 +284,19 @@ class Replica:
         ):
             guarded.guard = self.guard  # revocation, certificate inventory, audit
         package.guard = self.guard
+        for svc in (
+            cluster,
+            agent,
+            workload,
+            gateway,
+            rollout,
+            telemetry_svc,
+            endpoint_svc,
+            security,
+            package,
+        ):
+            svc.drain = self.drain_state
+        ledger.drain = self.drain_state
         revocations = asyncio.create_task(self.revocations.run(), name="revocations")
         try:
             await asyncio.wait_for(self.revocations.ready.wait(), 30.0)
@@ -317,7 +343,75 @@ class Replica:
             asyncio.create_task(self.feeds.profiling.drive(self.profiler), name="profiling"),
             revocations,
         ]
+        if self.settings.watch_heartbeat_s > 0:
+            self._tasks.append(asyncio.create_task(self.watch_lag.run(lambda: self._lease), name="watch-lag"))
         log.info("replica serving", name=self.settings.name, listen=self.settings.listen, pid=os.getpid())
+
+    async def drain(self) -> cluster_pb2.DrainReplicaResponse:
+        """`kunlun-cli cluster replica drain`: stop campaigning and hand leadership over (waiting,
+        bounded, until another replica leads), report NOT_SERVING, end every agent and gateway
+        stream so that they reconnect to another replica, then ask `serve` to exit (0) once the
+        answer is out. A second call while draining answers the same."""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_once())
+        return await asyncio.shield(self._drain)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
+    async def _drain_once(self) -> cluster_pb2.DrainReplicaResponse:
+        try:
+            return await self._drain_steps()
+        finally:  # answered or failed: a drained replica exits (the answer goes out meanwhile)
+            asyncio.get_running_loop().call_later(0.2, self.exit_requested.set)
+
+    async def _drain_steps(self) -> cluster_pb2.DrainReplicaResponse:
+        started = time.monotonic()
+        was_leader = self.elector.is_leader
+        log.info("replica draining", name=self.settings.name, leader=was_leader)
+        await self.health.enter_graceful_shutdown()
+        await self.elector.resign()  # stops campaigning; as leader, revoking the lease deletes the key
+        leader, handover_ms = await self._wait_for_other_leader(started)
+        self.drain_state.begin()
+        closed = await self.drain_state.wait_closed(DRAIN_STREAMS_WAIT_S)
+        resp = cluster_pb2.DrainReplicaResponse(
+            name=self.settings.name,
+            pid=os.getpid(),
+            was_leader=was_leader,
+            leader=leader,
+            handover_ms=handover_ms if was_leader else 0,
+            streams_ended=self.drain_state.streams_ended,
+        )
+        log.info(
+            "replica drained; exiting",
+            leader=leader,
+            handover_ms=resp.handover_ms,
+            streams_ended=resp.streams_ended,
+            streams_still_open=0 if closed else self.drain_state.open_streams,
+        )
+        return resp
+
+    async def _wait_for_other_leader(self, started: float) -> tuple[str, int]:
+        """(the leader that is not us, ms since `started`) once one holds the leader key; ("", 0)
+        when none did within two leader lease TTLs (e.g. the last replica drained)."""
+        deadline = started + 2 * self.settings.election.ttl_s + 1
+        while True:
+            with contextlib.suppress(KunlunError):
+                kv = await self.store.get(keys.LEADER)
+                name = keys.decode(kv.value).get("name", "") if kv is not None else ""
+                if name and name != self.settings.name:
+                    return str(name), int((time.monotonic() - started) * 1000)
+            if time.monotonic() > deadline:
+                return "", 0
+            await asyncio.sleep(0.1)
+
+    def reload_certificates(self) -> None:
+        """SIGHUP after `kunlun-cli certs rotate`: the replica's own certificate (its gRPC server
+        and exporter from the next handshake, its calls to agents from the next connection) and
+        its etcd client certificate (a new etcd channel; store.reload_credentials)."""
+        self.live_tls.reload()
+        self.store.reload_credentials()
 
     async def stop(self) -> None:
         """Graceful stop: resign leadership at once, leave the registry, stop serving."""
@@ -365,11 +459,20 @@ async def serve(settings: ReplicaSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    loop.add_signal_handler(signal.SIGHUP, replica.live_tls.reload)  # after `kunlun-cli certs rotate`
+    loop.add_signal_handler(signal.SIGHUP, replica.reload_certificates)  # after `kunlun-cli certs rotate`
     waiter = asyncio.create_task(stop.wait())
-    watched = [waiter, *replica._tasks]
-    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-    for t in done:
-        if t is not waiter and t.exception() is not None:
-            log.error("background task died", task=t.get_name(), error=str(t.exception()))
+    drained = asyncio.create_task(replica.exit_requested.wait())
+    watched = {waiter, drained, *replica._tasks}
+    while True:
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        watched -= done
+        for t in done - {waiter, drained}:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("background task died", task=t.get_name(), error=str(t.exception()))
+        # a drain ends the elector on purpose: keep serving until the drain asks to exit
+        if waiter in done or drained in done or not replica.draining:
+            break
+    for t in (waiter, drained):
+        t.cancel()
+    await asyncio.gather(waiter, drained, return_exceptions=True)
     await replica.stop()

@@ -27,13 +27,14 @@ canary instances the canary spec, and gateways split requests by `weight_pct`.
 from __future__ import annotations
 
 import asyncio
-import math
 
 import structlog
 
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.scheduler.canary import CANARY as CANARY  # kept importable from here
+from controlplane.scheduler.canary import canary_count as canary_count  # kept importable from here
 from controlplane.store import KV, Compare, EtcdStore, PutOp
 from controlplane.workloads.records import add_history
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
@@ -48,7 +49,6 @@ DEFAULT_MAX_P95_INCREASE = 0.05
 DEFAULT_MIN_P95_DELTA_MS = 20.0
 DEFAULT_MIN_REQUESTS = 50
 DEFAULT_INTERVAL_S = 120
-CANARY = "canary"
 
 
 def steps_of(spec: rollout_pb2.RolloutSpec) -> list[int]:
@@ -64,19 +64,6 @@ def canary_spec(w: workload_pb2.Workload, r: rollout_pb2.Rollout) -> workload_pb
         del spec.engine_args[:]
         spec.engine_args.extend(r.spec.engine_args)
     return spec
-
-
-def canary_count(w: workload_pb2.Workload, r: rollout_pb2.Rollout | None) -> int:
-    """Canary instances for the weight: at least 1, at most the baseline's replicas; 0 when none."""
-    if (
-        r is None
-        or r.phase != RolloutPhase.PROGRESSING
-        or r.weight_pct <= 0
-        or w.spec.replicas <= 0
-        or w.deleting
-    ):
-        return 0
-    return min(w.spec.replicas, max(1, math.ceil(w.spec.replicas * r.weight_pct / 100)))
 
 
 def live_rollout(r: rollout_pb2.Rollout | None) -> bool:

@@ -51,6 +51,9 @@ class ReplicaSettings:
     etcd_quota_bytes: int = 2 * 1024**3
     """etcd's space quota (`--quota-backend-bytes`; the launcher sets 2 GiB), exported so that the
     near-quota alert compares the database size with it."""
+    watch_heartbeat_s: float = 5.0
+    """How often this replica rewrites its heartbeat key to time its own watch
+    (`kunlun_replica_watch_lag_seconds`, controlplane/watch_lag.py); 0: never (no watch lag figure)."""
     metrics_listen: str = ""
     """host:port of the Prometheus exporter (HTTPS with the replica's certificate; client certificates of
     role `monitoring`); port 0 picks a free one; empty: no exporter."""
@@ -83,6 +86,10 @@ class ReplicaSettings:
                 raise ConfigError(
                     f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
                 )
+        if not self.watch_heartbeat_s >= 0:
+            raise ConfigError(
+                f"watch_heartbeat_s: expected a number of seconds >= 0 (0: off), found {self.watch_heartbeat_s!r}"
+            )
         if self.node_lease_ttl_s < 3:
             raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
         if self.log_format not in ("", "json", "console"):

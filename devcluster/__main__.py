@@ -21,10 +21,17 @@ def up(base: Path, free_ports: bool = False) -> int:
         stopped = stop_from_state(base)
         if stopped:
             print(f"stopped the previous local cluster ({len(stopped)} processes)")
+    # the demo's logs are for people: readable lines (production and the tests keep JSON)
     if free_ports:
-        spec = ClusterSpec(base_dir=base)
+        spec = ClusterSpec(base_dir=base, log_format="console", supervise_replicas=True)
     else:
-        spec = ClusterSpec(base_dir=base, replica_ports=DEMO_REPLICA_PORTS, etcd_ports=DEMO_ETCD_PORTS)
+        spec = ClusterSpec(
+            base_dir=base,
+            replica_ports=DEMO_REPLICA_PORTS,
+            etcd_ports=DEMO_ETCD_PORTS,
+            log_format="console",
+            supervise_replicas=True,  # a drained replica is started again (systemd: Restart=always)
+        )
     cluster = LocalCluster(spec)
     base.mkdir(parents=True, exist_ok=True)
     print("[1/5] certificates ...", flush=True)
@@ -63,7 +70,11 @@ def up(base: Path, free_ports: bool = False) -> int:
     )
     for proc, addr in cluster.metrics_addrs.items():
         print(f"  {proc:<16} https://{addr}/metrics")
-    print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)\n")
+    print("  Prometheus targets: kunlun-cli telemetry targets > targets.json (deploy/monitoring/)")
+    print(
+        "run-time profiles (Chrome traces): `kunlun-cli scheduler config set advanced_profiling=true` "
+        f"writes them to {cluster.profile_dir}; `advanced_profiling=false` stops\n"
+    )
     cli = Path(sys.executable).parent / "kunlun-cli"
     subprocess.run(
         [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}

@@ -64,6 +64,13 @@ class ClusterSpec:
     """Extra flags for every gateway."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
+    supervise_replicas: bool = False
+    """Run every replica under devcluster/supervise.py, which starts it again when it exits (as
+    systemd's `Restart=always` does in production; a drained replica exits 0). `make demo` does;
+    tests that kill -9 or pause a replica need its own pid, so the default is off."""
+    log_format: str = "json"
+    """`--log-format` of every process: `json` (as in production; what tests parse) or `console`
+    (readable: `make demo`)."""
 
 
 @dataclass
@@ -179,6 +186,7 @@ class LocalCluster:
             f"--node-lease-ttl={s.node_lease_ttl_s}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={s.log_format}",
             *s.replica_args,
         ]
 
@@ -202,9 +210,12 @@ class LocalCluster:
         self.save()
 
     def _replica_process(self, name: str, address: str) -> ManagedProcess:
+        argv = self.replica_argv(name, address)
+        if self.spec.supervise_replicas:
+            argv = [sys.executable, "-m", "devcluster.supervise", "--restart-sec=1", "--", *argv]
         return ManagedProcess(
             name,
-            self.replica_argv(name, address),
+            argv,
             self.base / "replicas" / f"{name}.log",
             env=dict(self.spec.replica_env.get(name, {})),
         )
@@ -220,6 +231,7 @@ class LocalCluster:
             f"--state-dir={self.base / 'agents' / node}",
             *self.metrics_flag(f"agent-{node}"),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.agent_args,
         ]
 
@@ -249,6 +261,7 @@ class LocalCluster:
             f"--cert-dir={self.bundle('gateway', name)}",
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
+            f"--log-format={self.spec.log_format}",
             *self.spec.gateway_args,
         ]
 

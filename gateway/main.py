@@ -23,7 +23,7 @@ from kunlun_common import revocation
 from kunlun_common.api import types_pb2, workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
 from kunlun_common.logs import log_json, setup_logging
-from kunlun_common.profiling import Profiler, ProfilingMode
+from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 from kunlun_common.tls import TlsMaterial
@@ -116,6 +116,7 @@ class Gateway:
             self._pool_rows,
             lambda: (self.proxy.inflight if self.proxy else 0, len(self.proxy.clients) if self.proxy else 0),
         )
+        export.registry.register(ProfilerCollector(self.profiler))
         self.metrics = MetricsServer(
             self.settings.metrics_listen, self.material, export.registry, export.prepare, revoked=self.revoked
         )

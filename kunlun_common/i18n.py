@@ -2,7 +2,8 @@
 
 The language comes from the environment in gettext's usual order (LANGUAGE, LC_ALL, LC_MESSAGES,
 LANG; e.g. `LANG=zh_CN.UTF-8`), the catalogs from `kunlun_common/locale/<lang>/LC_MESSAGES/kunlun.mo`
-(compiled from the .po files in the same folders by `make install`, scripts/i18n.py), or from the
+(compiled from the .po files in the same folders by `make install`, scripts/i18n.py, and by the
+wheel build, setup.py), or from the
 folder named by `$KUNLUN_LOCALEDIR` (packagers: e.g. /usr/share/locale). A missing, unreadable or
 corrupt catalog means English, never a failure.
 
@@ -55,6 +56,13 @@ def _(message: str) -> str:
     return translations().gettext(message)
 
 
+def translate(text: str) -> str:
+    """A text chosen at run time (a verify checkpoint's name, a layer's title) in the reader's
+    language, when the catalog has it. The texts themselves are literals where they are made, which
+    scripts/i18n.py extracts by their place (see its VERIFY_TEXTS), not by a `_()` around them."""
+    return translations().gettext(text) if text else text
+
+
 def ngettext(singular: str, plural: str, n: int) -> str:
     """The singular or plural form for `n`, in the reader's language."""
     return translations().ngettext(singular, plural, n)
@@ -79,7 +87,7 @@ def localize(m: Message, english: str | None = None) -> str:
     translated = pgettext(m.id, m.template)
     if translated == m.template:
         return fallback
-    return render(translated, m.params, fallback=fallback)
+    return render(translated, m.values(localize), fallback=fallback)
 
 
 def bind_global_domain() -> None:
@@ -93,3 +101,10 @@ def bind_global_domain() -> None:
         return
     gettext.bindtextdomain(DOMAIN, where)
     gettext.textdomain(DOMAIN)
+
+
+def error_text(e: BaseException) -> str:
+    """An error's text in the reader's language: its message's translation when it was raised with
+    a message id (kunlun_common/errors.py), else its text as is."""
+    m = getattr(e, "localizable", None)
+    return localize(m) if isinstance(m, Message) else str(e)

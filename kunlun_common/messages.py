@@ -16,7 +16,7 @@ every `msg(...)` call by an AST scan, and a test checks that each has a translat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,17 +38,42 @@ class Message:
     """English text with `{name}` placeholders (str.format syntax); the gettext msgid."""
     params: Mapping[str, Param] = field(default_factory=dict)
     """The placeholders' values: plain JSON values, so that the client formats exactly the same."""
+    parts: tuple[Message, ...] = ()
+    """Messages listed inside this one (one problem each, e.g. every problem of a spec): they fill
+    the template's `{parts}` placeholder, one per line, each after `bullet`; each is translated on
+    its own."""
+    bullet: str = "  "
+    """What each part starts with."""
+    sep: str = "\n"
+    """What comes between two parts."""
+    english: str | None = field(default=None, compare=False)
+    """The English text as formatted with the values as given (before they were made plain JSON
+    values), so that the text is exactly what an f-string would have made; None: format the template."""
 
     def __str__(self) -> str:
-        return render(self.template, self.params, fallback=self.template)
+        return self.english if self.english is not None else self.text(str)
+
+    def text(self, each: Callable[[Message], str]) -> str:
+        """The English text, with every part shown by `each` (the client passes its translator)."""
+        return render(self.template, self.values(each), fallback=self.template)
+
+    def values(self, each: Callable[[Message], str]) -> dict[str, Param]:
+        """The params, plus `parts` (each part shown by `each`) when this message lists some."""
+        if not self.parts:
+            return dict(self.params)
+        return {**self.params, "parts": self.sep.join(self.bullet + each(p) for p in self.parts)}
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "template": self.template, "args": dict(self.params)}
+        if self.parts:
+            out["parts"] = [p.to_json() for p in self.parts]
+            out["bullet"] = self.bullet
+            out["sep"] = self.sep
+        return out
 
     def to_metadata(self) -> tuple[tuple[str, str], ...]:
         """The trailing metadata that carries this message (empty when too large to carry)."""
-        text = json.dumps(
-            {"id": self.id, "template": self.template, "args": dict(self.params)},
-            ensure_ascii=True,
-            separators=(",", ":"),
-        )
+        text = json.dumps(self.to_json(), ensure_ascii=True, separators=(",", ":"))
         if len(text) > MAX_METADATA_BYTES:
             return ()
         return ((METADATA_KEY, text),)
@@ -61,8 +86,27 @@ def _plain(v: object) -> Param:
 
 
 def msg(msg_id: str, template: str, /, **params: object) -> Message:
-    """A message with stable id `msg_id`; non-JSON values are carried as their str()."""
-    return Message(msg_id, template, {k: _plain(v) for k, v in params.items()})
+    """A message with stable id `msg_id`; non-JSON values are carried as their str() (its English
+    text is formatted with the values as given, so `{when:%Y-%m-%d}` or `{path!r}` read as usual)."""
+    plain = {k: _plain(v) for k, v in params.items()}
+    english = render(template, params, fallback=template)
+    return Message(
+        msg_id, template, plain, english=None if english == render(template, plain, template) else english
+    )
+
+
+def msg_list(
+    msg_id: str,
+    template: str,
+    parts: Iterable[Message],
+    /,
+    bullet: str = "  ",
+    sep: str = "\n",
+    **params: object,
+) -> Message:
+    """A message that lists others (`parts`, each after `bullet`, `sep` between them) in its
+    `{parts}` placeholder."""
+    return Message(msg_id, template, {k: _plain(v) for k, v in params.items()}, tuple(parts), bullet, sep)
 
 
 def render(template: str, params: Mapping[str, Any], fallback: str) -> str:
@@ -83,10 +127,27 @@ def from_metadata(metadata: Iterable[Any] | None) -> Message | None:
             data = json.loads(value)
         except (ValueError, TypeError):
             return None
-        if not isinstance(data, dict):
-            return None
-        mid, template, args = data.get("id"), data.get("template"), data.get("args", {})
-        if not isinstance(mid, str) or not isinstance(template, str) or not isinstance(args, dict):
-            return None
-        return Message(mid, template, {str(k): _plain(v) for k, v in args.items()})
+        return _from_json(data)
     return None
+
+
+def _from_json(data: object, depth: int = 0) -> Message | None:
+    if not isinstance(data, dict) or depth > 4:
+        return None
+    mid, template, args = data.get("id"), data.get("template"), data.get("args", {})
+    parts, bullet, sep = data.get("parts", []), data.get("bullet", "  "), data.get("sep", "\n")
+    if not isinstance(mid, str) or not isinstance(template, str) or not isinstance(args, dict):
+        return None
+    if not isinstance(parts, list) or not isinstance(bullet, str) or not isinstance(sep, str):
+        return None
+    inner = [_from_json(p, depth + 1) for p in parts]
+    if any(p is None for p in inner):
+        return None
+    return Message(
+        mid,
+        template,
+        {str(k): _plain(v) for k, v in args.items()},
+        tuple(p for p in inner if p is not None),
+        bullet,
+        sep,
+    )

@@ -26,12 +26,16 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
 import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kunlun_common.trace_ring import ProfileOutput, TraceRing
 
@@ -258,3 +262,25 @@ def _stack(frame: FrameType | None) -> list[CodeType]:
         frame = frame.f_back
     codes.reverse()
     return codes
+
+
+class ProfilerCollector(Collector):
+    """The profiler's state and its own cost, on the process's exporter (no labels: one per process)."""
+
+    def __init__(self, profiler: Profiler) -> None:
+        self.profiler = profiler
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.profiler
+        on = GaugeMetricFamily("kunlun_profiling_enabled", "1 while run-time profiling samples this process")
+        on.add_metric([], 1.0 if p.enabled else 0.0)
+        yield on
+        cpu = CounterMetricFamily(
+            "kunlun_profiling_cpu_seconds",
+            "CPU time the profiler's thread spent sampling stacks and writing traces",
+        )
+        cpu.add_metric([], p.cpu_s)
+        yield cpu
+        samples = CounterMetricFamily("kunlun_profiling_samples", "Stack samples taken by the profiler")
+        samples.add_metric([], float(p.samples))
+        yield samples

@@ -40,19 +40,26 @@ def _start(paths: Paths, r: Running) -> None:
         pw = pwd.getpwnam(r.spec.user)
         uid, gid = pw.pw_uid, pw.pw_gid
         env["HOME"] = str(paths.data)
-    with log.open("ab") as out:
-        r.proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=r.spec.working_dir or None,
-            start_new_session=True,
-            user=uid,
-            group=gid,
-            extra_groups=[] if uid is not None else None,
-        )
     r.starts += 1
+    with log.open("ab") as out:
+        try:
+            r.proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=r.spec.working_dir or None,
+                start_new_session=True,
+                user=uid,
+                group=gid,
+                extra_groups=[] if uid is not None else None,
+            )
+        except OSError as e:  # what systemd reports as 203/EXEC: retried after RestartSec
+            r.proc = None
+            say(
+                "run", f"{r.spec.unit} could not start ({e}); `kunlun-installer verify` names what is missing"
+            )
+            return
     say("run", f"{r.spec.unit} started (pid {r.proc.pid}, start #{r.starts}): {' '.join(argv)}")
 
 
@@ -98,10 +105,11 @@ def run(paths: Paths, roles: list[str] | None = None) -> int:
                     _start(paths, r)
                     stop.wait(r.spec.restart_s)
             for r in services:
-                if r.proc is not None and r.proc.poll() is not None:
+                if r.proc is None or r.proc.poll() is not None:
                     due = next_start.setdefault(r.spec.unit, time.monotonic() + r.spec.restart_s)
                     if time.monotonic() >= due:
-                        say("run", f"{r.spec.unit} exited ({r.proc.returncode}); restarting")
+                        code = "did not start" if r.proc is None else f"exited ({r.proc.returncode})"
+                        say("run", f"{r.spec.unit} {code}; restarting")
                         next_start.pop(r.spec.unit, None)
                         _start(paths, r)
             stop.wait(0.2)

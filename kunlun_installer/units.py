@@ -71,7 +71,13 @@ def parse_unit(path: Path) -> ServiceSpec:
     section = ""
     keys: dict[str, list[str]] = {}
     pending = ""
-    for raw in path.read_text().splitlines():
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InstallError(
+            "read unit", f"{path}: missing", "restore it: kunlun-installer verify --repair"
+        ) from None
+    for raw in text.splitlines():
         line = pending + raw.strip()
         pending = ""
         if line.endswith("\\"):

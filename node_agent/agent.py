@@ -16,11 +16,12 @@ from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
-from kunlun_common.profiling import Profiler, ProfilingMode
+from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.reload import LiveTls
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
+from node_agent.executor.cgroups import detect_layout
 from node_agent.executor.hardening import plan_hardening, protect_key_folder, with_engine_user
 from node_agent.executor.manager import ExecutorManager
 from node_agent.executor.package_cache import PackageCache
@@ -32,7 +33,7 @@ from node_agent.executor.sandbox import (
     detect_protections,
     require_protections,
 )
-from node_agent.metrics import AgentMetrics
+from node_agent.metrics import AgentMetrics, cgroup_usage
 from node_agent.node_service import NodeServiceServer, NodeServiceServicer
 from node_agent.plugins.config import NodeConfig, load_config
 from node_agent.plugins.remote import plugin_socket_dir
@@ -262,7 +263,14 @@ class Agent:
             self.devices.devices,
             lambda: [w.status for w in self.executor.workers.values()],
             lambda: bool(self.link.connected_to),
+            # the cgroups the supervisors made: `<cgroup_parent>/<node>/<instance>` in each hierarchy
+            usage=cgroup_usage(
+                detect_layout(), f"{self.settings.executor.cgroup_parent}/{self.config.node_name}"
+            )
+            if self.executor.ctx.cgroups
+            else None,
         )
+        m.registry.register(ProfilerCollector(self.profiler))
         self.metrics = MetricsServer(
             self.settings.metrics_listen, self.tls, m.registry, m.prepare, revoked=self.revoked
         )

@@ -3,7 +3,8 @@
 An instance or workload id becomes a folder name under the node's state folder (and is removed
 recursively when the instance goes), so a hostile or buggy replica must not be able to name
 `..`, an absolute path or a separator. Items that fail are dropped (and logged) — the rest of the
-set is still applied, as the replica meant.
+set is still applied, as the replica meant. Items naming a shared spec get their own copy here, so
+the rest of the agent sees every item with its spec whichever form the replica sent.
 """
 
 from __future__ import annotations
@@ -42,14 +43,24 @@ def assignment_problems(a: agent_pb2.Assignment) -> list[str]:
 
 
 def safe_assignments(msg: agent_pb2.Assignments) -> agent_pb2.Assignments:
-    """`msg` without the items that fail `assignment_problems` (each logged)."""
+    """`msg` without the items that fail `assignment_problems` (each logged), every item carrying
+    its spec: one that names a shared spec (`spec_ref`, see RegisterNode.shared_specs) gets it from
+    the set's `specs`, and one naming a spec the set lacks is dropped like any bad item."""
     keep = []
     for a in msg.items:
         problems = assignment_problems(a)
+        if a.spec_ref and a.spec_ref not in msg.specs:
+            problems.append(f"spec_ref {a.spec_ref[:80]!r} names no spec of the set")
         if problems:
             log.warning("assignment refused", instance=a.instance_id[:80], problems=problems)
+        elif a.spec_ref:
+            item = agent_pb2.Assignment()
+            item.CopyFrom(a)
+            item.spec.CopyFrom(msg.specs[a.spec_ref])
+            item.ClearField("spec_ref")
+            keep.append(item)
         else:
             keep.append(a)
-    if len(keep) == len(msg.items):
+    if len(keep) == len(msg.items) and not msg.specs:
         return msg
     return agent_pb2.Assignments(items=keep, revision=msg.revision, cluster_id=msg.cluster_id)

@@ -30,6 +30,7 @@ from kunlun_common.clock import now_ms
 from kunlun_common.retry import backoff_delay
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.server_check import checked_server
+from kunlun_common.wire_limits import agent_channel_options
 from node_agent.assignment_check import safe_assignments
 
 log = structlog.get_logger("link")
@@ -120,6 +121,7 @@ class ReplicaLink:
                 # only the replica CA is trusted (tls.channel_credentials)
                 ("grpc.keepalive_time_ms", 10000),
                 ("grpc.keepalive_timeout_ms", 3000),
+                *agent_channel_options(),  # the mirror of the replica server's limits
             ],
         )
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect()  # type: ignore[call-arg]
@@ -247,4 +249,5 @@ def registration(
         config_path=config_path,
         node_service=node_service,
         metrics_address=metrics_address,
+        shared_specs=True,
     )

@@ -7,7 +7,9 @@ most 1024 devices and a bounded set of instances. Status and phase are one-hot g
 value sets, so alerts read `kunlun_device_status{status="Unhealthy"} == 1`.
 
 The vendor tools report utilization, memory, temperature, power and health; memory bandwidth and
-PCIe throughput are not in the device contract yet, so they are not exported.
+PCIe throughput are not in the device contract yet, so they are not exported. Each instance's
+memory and CPU come from its cgroup (v2 `memory.current` and `cpu.stat`; v1 `memory.usage_in_bytes`
+and `cpuacct.usage`), read during the scrape in its worker thread.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kunlun_common.api import agent_pb2, types_pb2
+from kunlun_common.errors import ConfigError
 from kunlun_common.names import VENDORS
 from kunlun_common.states import InstancePhase
+from node_agent.executor.cgroups import CgroupLayout, InstanceCgroup
 
 MB = 1024 * 1024
 STATUSES = ("Ready", "Unhealthy", "Unavailable", "Error")
@@ -104,13 +108,33 @@ def instance_rows(node: str, statuses: list[agent_pb2.InstanceStatus]) -> list[I
     ]
 
 
-class AgentCollector(Collector):
-    """Builds the metric families from the last snapshot (taken on the event loop by `prepare`)."""
+CgroupUsage = Callable[[str], tuple[int | None, float | None]]
+"""Instance id -> (memory bytes, CPU seconds) read from its cgroup; None where not accounted."""
 
-    def __init__(self) -> None:
+
+def cgroup_usage(layout: CgroupLayout, parent: str) -> CgroupUsage:
+    """Reads an instance's memory and CPU from `<parent>/<instance>` in each hierarchy of `layout`
+    (where its supervisor made it)."""
+
+    def usage(instance_id: str) -> tuple[int | None, float | None]:
+        try:
+            cg = InstanceCgroup(layout, instance_id, parent)
+        except ConfigError:  # not a name a cgroup can have: never created either
+            return None, None
+        return cg.memory_bytes(), cg.cpu_seconds()
+
+    return usage
+
+
+class AgentCollector(Collector):
+    """Builds the metric families from the last snapshot (taken on the event loop by `prepare`);
+    the instances' cgroup usage is read here, in the scrape's worker thread (file reads)."""
+
+    def __init__(self, usage: CgroupUsage | None = None) -> None:
         self.devices: list[DeviceRow] = []
         self.instances: list[InstanceRow] = []
         self.connected = False
+        self.usage = usage
 
     def collect(self) -> Iterator[Metric]:
         devices, instances = self.devices, self.instances
@@ -174,8 +198,24 @@ class AgentCollector(Collector):
             "1 when the engine's last exit was an OOM kill",
             labels=INSTANCE_LABELS,
         )
+        memory = GaugeMetricFamily(
+            "kunlun_instance_memory_bytes",
+            "Memory charged to the instance's cgroup (engine processes, page cache, kernel memory)",
+            labels=INSTANCE_LABELS,
+        )
+        cpu = CounterMetricFamily(
+            "kunlun_instance_cpu_seconds",
+            "CPU time used by the processes of the instance's cgroup",
+            labels=INSTANCE_LABELS,
+        )
         for i in instances:
             lab = list(i.labels)
+            if self.usage is not None:
+                mem_b, cpu_s = self.usage(i.labels[2])
+                if mem_b is not None:
+                    memory.add_metric(lab, float(mem_b))
+                if cpu_s is not None:
+                    cpu.add_metric(lab, cpu_s)
             for p in PHASES:
                 phase.add_metric([*lab, p], 1.0 if i.phase == p else 0.0)
             restarts.add_metric(lab, float(i.restarts))
@@ -183,7 +223,7 @@ class AgentCollector(Collector):
             if i.first_token_s > 0:
                 first.add_metric(lab, i.first_token_s)
             oom.add_metric(lab, 1.0 if i.oom_killed else 0.0)
-        yield from (phase, restarts, prepare, first, oom)
+        yield from (phase, restarts, prepare, first, oom, memory, cpu)
         up = GaugeMetricFamily(
             "kunlun_agent_connected", "1 while the agent's stream to a replica is acknowledged"
         )
@@ -201,13 +241,14 @@ class AgentMetrics:
         instances: Callable[[], list[agent_pb2.InstanceStatus]],
         connected: Callable[[], bool] = lambda: True,
         process_collector: bool = True,
+        usage: CgroupUsage | None = None,
     ) -> None:
         self.node = node
         self._devices = devices
         self._instances = instances
         self._connected = connected
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = AgentCollector()
+        self.collector = AgentCollector(usage)
         self.registry.register(self.collector)
         if process_collector:
             from prometheus_client import ProcessCollector

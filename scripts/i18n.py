@@ -1,20 +1,34 @@
 """The message catalogs: extract the user-facing strings, update the .po files, compile the .mo files.
 
-    python scripts/i18n.py compile    # every kunlun_common/locale/*/LC_MESSAGES/kunlun.po -> .mo (make install)
+    python scripts/i18n.py compile    # every kunlun_common/locale/*/LC_MESSAGES/kunlun.po -> .mo (make install;
+                                      # a wheel build compiles them itself, setup.py)
     python scripts/i18n.py update     # add the strings the code has and the catalogs lack (empty msgstr),
                                       # drop the ones the code no longer has, refresh the #: locations
     python scripts/i18n.py missing    # list the strings a catalog does not translate; exit 1 if any
+    python scripts/i18n.py unmarked   # list user-facing text not marked for translation; exit 1 if any
 
 What counts as user-facing (`extract`): every `_()`, `ngettext()`, `pgettext()` and `msg()` call in the
 packages, found by an AST scan (their text must be a literal); every help text, description and group
 title of kunlun-cli's argparse tree; and the argparse strings a user can see (controlplane/cli/localize.py).
 tests/test_i18n.py fails while a catalog misses one or a translation's placeholders differ.
+
+kunlun-cli verify's checkpoint names, notes, layer titles and skip reasons are extracted by their
+place (VERIFY_PACKAGE), without a mark.
+
+What must be marked (`unmarked`, also an AST scan): in kunlun-cli (controlplane/cli), every text (a
+literal or f-string with a word in it) given to print(), a stream's write(), parser.error(), an
+error's constructor or a helper that shows it (SHOWN_ARGS), and every text passed as a value into a
+marked string's .format() (verify's texts must be literals where they are made); in the
+modules whose errors replicas send to clients (REPLICA_MODULES), every error raised with a text
+instead of a `msg(...)`/`msg_list(...)` message, and every problem text appended to a problem list.
+UNMARKED_OK lists the few deliberate exceptions.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +49,48 @@ PACKAGES = (
 """Where the AST scan looks for marked strings."""
 SKIP = ("kunlun_common/i18n.py",)
 """Modules that define the marks (their calls pass values through, not texts)."""
+CLI_PACKAGE = "controlplane/cli"
+"""kunlun-cli: every text it shows must be marked."""
+REPLICA_MODULES = (
+    "controlplane/api",  # but not agent_service.py: agents read its refusals, not people
+    "controlplane/gateways",
+    "controlplane/workloads",
+    "controlplane/store",
+    "controlplane/scheduler/config.py",
+    "controlplane/telemetry.py",
+    "controlplane/fencing.py",
+    "controlplane/paging.py",
+    "controlplane/certs_state.py",
+    "controlplane/package_pull.py",
+    "controlplane/package_store.py",
+    "controlplane/package_policy.py",
+    "kunlun_common/modelpkg",
+)
+"""Modules whose errors reach clients through the replicas' @rpc wrapper (or kunlun-cli's own package
+checks): each must carry a message id. Process start-up (settings, main, replica.py, election) is not
+here: those errors go to the operator's terminal and log, not to a client."""
+VERIFY_PACKAGE = "controlplane/cli/verify"
+"""kunlun-cli verify: its checkpoint names, notes, layer titles and skip reasons are plain literals
+where the layers make them (report.json keeps them in English) and are translated where they are
+shown (`kunlun_common.i18n.translate`); `verify_texts` extracts them by their place: the name and
+note of `result.add(NAME, ..., note=NOTE)`, the title and `skipped=` of `LayerResult(N, TITLE)`, and
+the values of the TITLES table."""
+SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
+"""kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
+UNMARKED_OK = {
+    ("controlplane/cli/verify/load.py", "the gateway closed the connection before the answer was complete"),
+}
+"""(module, text) pairs that are deliberately not marked (none should be user-facing)."""
+_WORD = re.compile(r"[A-Za-z]{3,}")
+_NOT_TEXT_ERRORS = {
+    "ValueError",
+    "TypeError",
+    "RuntimeError",
+    "AssertionError",
+    "KeyError",
+    "OSError",
+    "PoError",
+}
 HEADER = (
     "Project-Id-Version: kunlun-platform\n"
     "Language: {lang}\n"
@@ -67,7 +123,7 @@ def scan_source(text: str, source: str) -> tuple[list[Found], list[str]]:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
         name, args, where = node.func.id, node.args, f"{source}:{node.lineno}"
-        want = {"_": 1, "ngettext": 2, "pgettext": 2, "msg": 2}.get(name)
+        want = {"_": 1, "ngettext": 2, "pgettext": 2, "msg": 2, "msg_list": 2}.get(name)
         if want is None:
             continue
         texts = [_literal(a) for a in args[:want]]
@@ -79,7 +135,7 @@ def scan_source(text: str, source: str) -> tuple[list[Found], list[str]]:
             found.append(Found(t[0], where=[where]))
         elif name == "ngettext":
             found.append(Found(t[0], plural=t[1], where=[where]))
-        else:  # pgettext(context, text) and msg(id, template)
+        else:  # pgettext(context, text), msg(id, template) and msg_list(id, template, ...)
             found.append(Found(t[1], context=t[0], where=[where]))
     return found, problems
 
@@ -111,7 +167,7 @@ def extract() -> tuple[list[Found], list[str]]:
     """Every user-facing string (merged by context and text, in order of first use) and the problems."""
     code, problems = scan_code()
     merged: dict[tuple[str | None, str], Found] = {}
-    for f in [*code, *cli_texts()]:
+    for f in [*code, *cli_texts(), *verify_texts()]:
         have = merged.get((f.context, f.msgid))
         if have is None:
             merged[(f.context, f.msgid)] = Found(f.msgid, f.context, f.plural, list(f.where))
@@ -120,6 +176,163 @@ def extract() -> tuple[list[Found], list[str]]:
             if have.plural is None:
                 have.plural = f.plural
     return list(merged.values()), problems
+
+
+def _text_of(node: ast.expr) -> str | None:
+    """The words of a text expression (a literal, an f-string, a + of them), or None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value if _WORD.search(node.value) else None
+    if isinstance(node, ast.JoinedStr):
+        words = "".join(
+            v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)
+        )
+        return words if _WORD.search(words) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mod):
+        return _text_of(node.left) or _text_of(node.right)
+    if isinstance(node, ast.IfExp):
+        return _text_of(node.body) or _text_of(node.orelse)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        return _text_of(node.func.value)
+    return None
+
+
+def _marked(node: ast.expr) -> bool:
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in ("_", "ngettext", "pgettext", "msg", "msg_list"):
+            return True
+        if isinstance(f, ast.Attribute) and f.attr == "format":
+            return _marked(f.value)
+    if isinstance(node, ast.IfExp):
+        return _marked(node.body) and _marked(node.orelse)
+    return False
+
+
+def _name(f: ast.expr) -> str:
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _is_error(name: str) -> bool:
+    return name.endswith(("Error", "Refused", "Input", "Change", "NotFound", "Conflict", "Exceeded", "Exit"))
+
+
+def _verify_places(node: ast.AST) -> list[ast.expr]:
+    """The expressions of a verify module that are shown as texts (see VERIFY_PACKAGE)."""
+    out: list[ast.expr] = []
+    if isinstance(node, ast.Call):
+        name = _name(node.func)
+        if name == "add" and isinstance(node.func, ast.Attribute) and len(node.args) >= 4:  # not set.add
+            out.append(node.args[0])
+            out += [k.value for k in node.keywords if k.arg == "note"]
+        elif name == "LayerResult":
+            out += node.args[1:2]
+            out += [k.value for k in node.keywords if k.arg in ("title", "skipped")]
+    elif isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "TITLES" for t in node.targets
+    ):
+        if isinstance(node.value, ast.Dict):
+            out += [v for v in node.value.values if v is not None]
+    return out
+
+
+def _verify_literal(node: ast.expr) -> bool:
+    """A text `verify_texts` can extract: a literal, either literal of `a if c else b`, or TITLES[n]."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return True
+    if isinstance(node, ast.IfExp):
+        return _verify_literal(node.body) and _verify_literal(node.orelse)
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "TITLES"
+
+
+def verify_texts(root: Path = ROOT) -> list[Found]:
+    """The checkpoint names, notes, layer titles and skip reasons of kunlun-cli verify."""
+    out = []
+    for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            for place in _verify_places(node):
+                for leaf in _leaves(place):
+                    if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str) and leaf.value:
+                        out.append(Found(leaf.value, where=[f"{rel}:{leaf.lineno}"]))
+    return out
+
+
+def _cli_sinks(node: ast.AST) -> list[ast.expr]:
+    if not isinstance(node, ast.Call):
+        return []
+    name = _name(node.func)
+    if name in SHOWN_ARGS:
+        i = SHOWN_ARGS[name]
+        return list(node.args[i : i + 1])
+    if name == "print":
+        return list(node.args)
+    if isinstance(node.func, ast.Attribute) and name in ("write", "error"):
+        return list(node.args[:1])
+    if _is_error(name) and name not in _NOT_TEXT_ERRORS:
+        return list(node.args[:1])
+    if name == "format" and _marked(node):  # values put into a marked text must not be English words
+        return [k.value for k in node.keywords] + list(node.args)
+    return []
+
+
+def _replica_sinks(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+        name = _name(node.exc.func)
+        if _is_error(name) and name not in _NOT_TEXT_ERRORS:
+            return list(node.exc.args[:1])
+    if isinstance(node, ast.Call) and _name(node.func) == "abort":  # abort(context, code, text)
+        return list(node.args[2:3])
+    if isinstance(node, ast.Call) and _name(node.func) == "append":
+        target = node.func.value if isinstance(node.func, ast.Attribute) else None
+        if isinstance(target, ast.Name) and target.id in ("p", "problems"):
+            return list(node.args[:1])
+    return []
+
+
+def _leaves(node: ast.expr) -> list[ast.expr]:
+    """The expressions a value can come from: both branches of `a if c else b`, each of `a or b`."""
+    if isinstance(node, ast.IfExp):
+        return _leaves(node.body) + _leaves(node.orelse)
+    if isinstance(node, ast.BoolOp):
+        return [x for v in node.values for x in _leaves(v)]
+    return [node]
+
+
+def unmarked_source(text: str, source: str, replica: bool) -> list[str]:
+    """The unmarked user-facing texts of one module, as 'file:line: text'."""
+    out = []
+    sinks = _replica_sinks if replica else _cli_sinks
+    for node in ast.walk(ast.parse(text, source)):
+        for arg in sinks(node):
+            for b in _leaves(arg):
+                words = None if _marked(b) else _text_of(b)
+                if words is not None and (source, words.strip()) not in UNMARKED_OK:
+                    out.append(f"{source}:{b.lineno}: {words.strip()[:80]!r}")
+    return out
+
+
+def unmarked(root: Path = ROOT) -> list[str]:
+    """Every user-facing text of kunlun-cli and of the replicas' client errors that is not marked."""
+    out: list[str] = []
+    for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
+        out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
+    for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            out += [
+                f"{rel}:{p.lineno}: {ast.unparse(p)[:80]} (a verify text must be a literal: it is translated where shown)"
+                for p in _verify_places(node)
+                if not _verify_literal(p)
+            ]
+    for where in REPLICA_MODULES:
+        paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))
+        for path in paths:
+            if not path.exists():
+                continue
+            if path.name == "agent_service.py":
+                continue
+            out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), True)
+    return out
 
 
 def catalogs() -> list[Path]:
@@ -172,6 +385,11 @@ def main(argv: list[str]) -> int:
             f"i18n: compiled {len(written)} catalog(s): " + ", ".join(p.parent.parent.name for p in written)
         )
         return 0
+    if cmd == "unmarked":
+        lines = unmarked()
+        for line in lines:
+            print(line)
+        return 1 if lines else 0
     if cmd in ("update", "missing"):
         found, problems = extract()
         for p in problems:

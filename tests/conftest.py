@@ -30,6 +30,19 @@ def tmp_base() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
+def bundle_dir() -> Iterator[Path]:
+    """The offline bundle built from this checkout (`make dist`'s code path), once per session:
+    tests/test_installer.py and tests/test_multihost_install.py install from it."""
+    from kunlun_installer.bundle import build
+
+    out = Path(tempfile.mkdtemp(prefix="kunlun-dist-"))
+    try:
+        yield build(Path(__file__).resolve().parent.parent, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def cert_dir(tmp_base: Path) -> Path:
     d = tmp_base / "certs"
     init_cluster_certs(d, ClusterCerts(nodes=("node-a", "node-b", "node-c", "node-x")))

@@ -65,6 +65,10 @@ def test_detect_hybrid_layout(tmp_path: Path) -> None:
         "cpu": "v1:/sys/fs/cgroup/cpu,cpuacct",
     }
     assert layout.unified == unified
+    # CPU accounting rides on the co-mounted cpu hierarchy: no extra directory
+    assert layout.cpuacct is not None and layout.cpuacct.mount_point == Path("/sys/fs/cgroup/cpu,cpuacct")
+    cg = InstanceCgroup(layout, "i", "kunlun/n")
+    assert Path("/sys/fs/cgroup/cpu,cpuacct/kunlun/n/i") in cg.unique_dirs() and len(cg.unique_dirs()) == 3
 
 
 def test_detect_pure_v2_and_partial_v2(tmp_path: Path) -> None:
@@ -117,12 +121,38 @@ def test_v2_instance_in_cgroupfs_shaped_tree(tmp_path: Path) -> None:
     assert cg.oom_kill_count() == 2
     (inst / "cgroup.procs").write_text("4242\n4243\n")
     assert cg.pids() == {4242, 4243}
+    assert cg.memory_bytes() is None and cg.cpu_seconds() is None  # not accounted (files absent)
+    (inst / "memory.current").write_text("123456789\n")
+    (inst / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    assert cg.memory_bytes() == 123456789 and cg.cpu_seconds() == 2.5
     (inst / "cgroup.procs").write_text("")  # never SIGKILL made-up pids
 
     cg.remove()
     assert not inst.exists()
     remove_parent_if_empty(layout, "kunlun/prod")
     assert not (root / "kunlun" / "prod").exists()
+
+
+def test_v1_usage_with_a_separate_cpuacct_hierarchy(tmp_path: Path) -> None:
+    """Hybrid hosts like this one mount cpu and cpuacct apart: the instance also gets a cpuacct
+    directory (and joins it), so its CPU is accounted; memory comes from the memory hierarchy."""
+    mounts = {c: tmp_path / c for c in ("memory", "pids", "cpu", "cpuacct")}
+    lines = [f"3{i} 31 0:3{i} / {m} rw - cgroup cgroup rw,{c}" for i, (c, m) in enumerate(mounts.items())]
+    layout = detect_layout(write_mountinfo(tmp_path, "\n".join(lines) + "\n"))
+    assert layout.cpuacct is not None and layout.cpuacct.mount_point == mounts["cpuacct"]
+    cg = InstanceCgroup(layout, "inst-3", "kunlun/node-a")
+    cg.create(CgroupLimits())
+    acct = mounts["cpuacct"] / "kunlun" / "node-a" / "inst-3"
+    assert acct.is_dir() and acct / "cgroup.procs" in cg.procs_files()
+    assert cg.memory_bytes() is None and cg.cpu_seconds() is None
+    (mounts["memory"] / "kunlun" / "node-a" / "inst-3" / "memory.usage_in_bytes").write_text("4096\n")
+    (acct / "cpuacct.usage").write_text("1500000000\n")
+    assert cg.memory_bytes() == 4096 and cg.cpu_seconds() == 1.5
+    (acct / "cpuacct.usage").write_text("garbage\n")
+    assert cg.cpu_seconds() is None  # never a made-up figure
+    cg.remove()
+    remove_parent_if_empty(layout, "kunlun/node-a")
+    assert not any((m / "kunlun" / "node-a").exists() for m in mounts.values())
 
 
 def test_v2_without_limits_writes_only_delegation(tmp_path: Path) -> None:
@@ -222,3 +252,62 @@ def test_host_cgroup_counts_oom_kills(parent: str) -> None:
     assert cg.oom_kill_count() == 1
     cg.remove()
     assert not cg.exists()
+
+
+@needs_host_cgroups
+def test_host_cgroup_accounts_memory_and_cpu_and_the_agent_exports_them(parent: str) -> None:
+    """A real engine-like process in a real instance cgroup: its memory and CPU are read from the
+    cgroup and exported by the agent's collector, `promtool check metrics` clean."""
+    from prometheus_client import generate_latest
+
+    from kunlun_common.api import agent_pb2
+    from node_agent.metrics import AgentMetrics, cgroup_usage, instance_rows
+    from tests.prom_helpers import promtool
+
+    cg = InstanceCgroup(HOST, "usage", parent)
+    cg.create(CgroupLimits(memory_bytes=512 << 20))
+    code = (
+        "import sys, time\n"
+        "hold = bytearray(96 << 20)\n"
+        "for i in range(0, len(hold), 4096): hold[i] = 1\n"
+        "end = time.process_time() + 0.4\n"
+        "while time.process_time() < end: pass\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    files = cg.procs_files()
+
+    def join() -> None:
+        for f in files:
+            f.write_text(str(os.getpid()))
+
+    proc = subprocess.Popen([sys.executable, "-c", code], preexec_fn=join, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        mem, cpu = cg.memory_bytes(), cg.cpu_seconds()
+        assert mem is not None and mem >= 96 << 20, mem
+        assert cpu is not None and cpu >= 0.4, cpu
+        status = agent_pb2.InstanceStatus(instance_id="usage", workload_id="wl-1", phase="Running")
+        metrics = AgentMetrics(
+            "node-t",
+            lambda: [],
+            lambda: [status],
+            process_collector=False,
+            usage=cgroup_usage(HOST, parent),
+        )
+        metrics.collector.instances = instance_rows("node-t", [status])
+        body = generate_latest(metrics.registry)
+        labels = '{instance="usage",node="node-t",workload="wl-1"}'  # as the client library sorts them
+        got = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in body.decode().splitlines()
+            if line.startswith(("kunlun_instance_memory_bytes{", "kunlun_instance_cpu_seconds_total{"))
+        }
+        assert got.get(f"kunlun_instance_memory_bytes{labels}", 0) >= 96 << 20, body.decode()
+        assert got[f"kunlun_instance_cpu_seconds_total{labels}"] >= 0.4
+        r = promtool("check", "metrics", stdin=body)
+        assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    finally:
+        proc.kill()
+        proc.wait()
+    cg.remove()

@@ -79,6 +79,6 @@ def test_the_pause_threshold() -> None:
 
 def test_fencing_values_are_validated() -> None:
     ok = with_defaults(workload_pb2.WorkloadSpec(name="x", model="m", fencing="available"))
-    assert not [p for p in validate(ok) if p.startswith("fencing")]
+    assert not [p for p in validate(ok) if str(p).startswith("fencing")]
     bad = with_defaults(workload_pb2.WorkloadSpec(name="x", model="m", fencing="relaxed"))
-    assert "fencing: expected one of strict, available, found 'relaxed'" in validate(bad)
+    assert "fencing: expected one of strict, available, found 'relaxed'" in [str(p) for p in validate(bad)]

@@ -5,8 +5,10 @@ and English without it or when the catalog is missing or corrupt, and JSON stays
 from __future__ import annotations
 
 import gettext
+import json
 import os
 import re
+import shutil
 import string
 import subprocess
 import sys
@@ -220,3 +222,194 @@ def test_a_missing_or_corrupt_catalog_means_english(tmp_path: Path) -> None:
         assert r.returncode == code, r.stderr
         assert "Traceback" not in r.stderr
         assert english in r.stdout + r.stderr
+
+
+def test_every_user_facing_text_is_marked() -> None:
+    found = tool.unmarked()
+    assert not found, (
+        "user-facing text not marked for translation (wrap it in _() in kunlun-cli, raise it as "
+        "msg(ID, TEMPLATE, ...) in replica code; scripts/i18n.py unmarked lists them):\n" + "\n".join(found)
+    )
+
+
+PLANTED_CLI = """
+def show(x, y, e):
+    print(f"deleted {x}")
+    sys.stderr.write("no such workload\\n")
+    raise CliError("give a name")
+    print(_("node {node} {state}").format(node=x, state="cordoned" if y else "uncordoned"))
+    print(_("prompt: {p}").format(p=y or "(none given)"))
+"""
+PLANTED_CLI_OK = """
+def show(x, y, e):
+    print(_("deleted {x}").format(x=x))
+    print(f"{x}: {y}", "-", x)
+    raise CliError(_("give a name"))
+    print((_("a {n}") if y else _("b {n}")).format(n=x))
+"""
+PLANTED_REPLICA = """
+async def handler(spec, context, problems):
+    problems.append(f"name: {spec.name!r} is not valid")
+    if spec.x:
+        raise InvalidInput("x: required")
+    raise NotFoundError(f"workload {spec.name} not found" if spec.y else msg("a.b", "no {n}", n=1))
+    await abort(context, CODE, "the client certificate was revoked")
+"""
+PLANTED_REPLICA_OK = """
+async def handler(spec, context, problems):
+    problems.append(msg("spec.name", "name: {name!r} is not valid", name=spec.name))
+    raise InvalidInput(msg_list("spec.invalid", "invalid:\\n{parts}", problems))
+    raise ValueError("not for users")
+    await abort(context, CODE, msg("auth.revoked", "the client certificate was revoked"))
+"""
+
+
+def test_the_scan_finds_unmarked_text() -> None:
+    cli = tool.unmarked_source(PLANTED_CLI, "controlplane/cli/planted.py", replica=False)
+    assert sorted(line.split(": ", 1)[1] for line in cli) == [
+        "'(none given)'",
+        "'cordoned'",
+        "'deleted'",
+        "'give a name'",
+        "'no such workload'",
+        "'uncordoned'",
+    ]
+    assert tool.unmarked_source(PLANTED_CLI_OK, "controlplane/cli/planted.py", replica=False) == []
+    replica = tool.unmarked_source(PLANTED_REPLICA, "controlplane/api/planted.py", replica=True)
+    assert sorted(line.split(": ", 1)[1] for line in replica) == [
+        "'name:  is not valid'",
+        "'the client certificate was revoked'",
+        "'workload  not found'",
+        "'x: required'",
+    ]
+    assert tool.unmarked_source(PLANTED_REPLICA_OK, "controlplane/api/planted.py", replica=True) == []
+
+
+def test_a_planted_violation_in_the_tree_fails_the_scan(tmp_path: Path) -> None:
+    """The whole-tree scan, on a copy of the real sources with one new unmarked line in each part."""
+    for part in ("controlplane", "kunlun_common/modelpkg"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    assert tool.unmarked(tmp_path) == []
+    cli = tmp_path / "controlplane" / "cli" / "node_cmd.py"
+    cli.write_text(cli.read_text() + '\n\ndef planted() -> None:\n    print("node drained")\n')
+    spec = tmp_path / "controlplane" / "workloads" / "spec.py"
+    spec.write_text(spec.read_text() + '\n\ndef planted() -> None:\n    raise SpecError(f"bad {1}")\n')
+    found = tool.unmarked(tmp_path)
+    assert len(found) == 2
+    assert found[0].startswith("controlplane/cli/node_cmd.py:") and "'node drained'" in found[0]
+    assert found[1].startswith("controlplane/workloads/spec.py:") and "'bad'" in found[1]
+
+
+def test_a_list_of_problems_travels_and_each_is_translated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.workloads.spec import SpecError, checked
+    from kunlun_common.api import workload_pb2
+    from kunlun_common.i18n import error_text
+
+    with pytest.raises(SpecError) as err:
+        checked(workload_pb2.WorkloadSpec(name="Bad_Name", model="m", replicas=5000))
+    e = err.value
+    english = (
+        "invalid workload spec:\n"
+        "  name: 'Bad_Name' is not a valid name; use lowercase letters, digits, '-' and '.', at most 63\n"
+        "  replicas: expected 0..1000, found 5000"
+    )
+    assert str(e) == english  # the details text, as before message ids
+    assert e.localizable is not None
+    back = from_metadata(e.localizable.to_metadata())
+    assert back == e.localizable and str(back) == english
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert error_text(e) == (
+        "无效的工作负载规格：\n"
+        "  name：'Bad_Name' 不是有效的名称；请使用小写字母、数字、'-' 和 '.'，最多 63 个字符\n"
+        "  replicas：应为 0..1000，实际为 5000"
+    )
+    # a part this catalog does not know stays English, the rest is translated
+    unknown = Message("spec.future", "future: {x}", {"x": 1})
+    mixed = Message(back.id, back.template, back.params, (back.parts[0], unknown), back.bullet)
+    assert localize(mixed).endswith("\n  future: 1")
+    assert from_metadata([("kunlun-msg", '{"id": "a", "template": "t", "parts": [{"id": 1}]}')]) is None
+
+
+def test_command_output_in_chinese_english_otherwise(tmp_path: Path) -> None:
+    zh = _cli(["model", "keygen", "--dir", str(tmp_path / "keys-zh")], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    assert zh.returncode == 0, zh.stderr
+    assert "（请保密；用 --sign-key 签名）" in zh.stdout
+    assert "（交给验证方：--trusted-key，或在集群中使用 `model trust add`）" in zh.stdout
+    en = _cli(["model", "keygen", "--dir", str(tmp_path / "keys-en")], {"LANG": "C"}, tmp_path)
+    assert en.returncode == 0, en.stderr
+    assert "(keep it secret; sign with --sign-key)" in en.stdout
+    # a package error raised with a message id, printed by the command itself
+    bad = tmp_path / "bad.kunlunpkg"
+    bad.write_bytes(b"\0" * 1024)
+    zh = _cli(["model", "verify", "--package", str(bad)], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    en = _cli(["model", "verify", "--package", str(bad)], {"LANG": "C"}, tmp_path)
+    assert zh.returncode == en.returncode == 2, (zh.stderr, en.stderr)
+    assert zh.stderr.startswith(f"kunlun-cli: {bad}：不是模型包：第一个成员是 "), zh.stderr
+    assert en.stderr.startswith(f"kunlun-cli: {bad}: not a package: the first member is "), en.stderr
+    # -o json stays English whatever the language
+    js = _cli(["-o", "json", "model", "verify", "--package", str(bad)], {"LANG": "zh_CN.UTF-8"}, tmp_path)
+    assert json.loads(js.stdout)["error"].startswith("not a package"), js.stdout
+
+
+def test_a_message_reads_exactly_as_the_f_string_it_replaced() -> None:
+    import datetime as dt
+
+    when = dt.datetime(2026, 12, 1, 7, 0, tzinfo=dt.UTC)
+    path, err, data = Path("/etc/x.yaml"), ValueError("bad"), b"2"
+    m = msg(
+        "t.x",
+        "{path!r} at {when:%Y-%m-%d}: {err!r} {data!r} {n:.1f}",
+        path=path,
+        when=when,
+        err=err,
+        data=data,
+        n=2,
+    )
+    assert str(m) == f"{path!r} at {when:%Y-%m-%d}: {err!r} {data!r} {2:.1f}"
+    back = from_metadata(m.to_metadata())  # the values travel as plain JSON (str of each)
+    assert back is not None and back.params["path"] == "/etc/x.yaml" and back.params["n"] == 2
+    plain = msg("t.y", "{a} {b!r}", a=1, b="x")
+    assert plain.english is None and str(plain) == "1 'x'"
+
+
+def test_the_verify_report_in_chinese_its_json_in_english(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controlplane.cli.verify import report
+    from controlplane.cli.verify.command import TITLES, layer_evidence_lines
+    from controlplane.cli.verify.model import LayerResult, Run, Series, evidence
+
+    def run() -> Run:
+        r = Run(1_700_000_000_000, ["127.0.0.1:7000"])
+        one = LayerResult(2, TITLES[2])
+        one.add("preparation time", "3.2 s", "< 60 s", True, evidence("kunlun-cli workload describe x", "ok"))
+        one.add("first-token latency", "900 ms", "< 500 ms", False, note="the layer stopped here")
+        one.utilization.append(Series("node-a/ascend:0", [(0.0, 10.0), (1.0, 80.0)]))
+        r.layers += [one, LayerResult(5, TITLES[5], skipped="layer 5 stops a replica: give --disruptive")]
+        return r
+
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    zh = run()
+    report.write(zh, tmp_path / "zh")
+    md = (tmp_path / "zh" / "report.md").read_text()
+    assert md.startswith("# Kunlun Platform 验收报告\n")
+    assert "| 层级 | 检查点 | 测量值 | 阈值 | 结果 |" in md
+    assert "| 2 | 首 token 延迟 | 900 ms | < 500 ms | FAIL |" in md
+    assert "## 第 2 层：单卡单模型" in md and "已跳过：第 5 层会停止一个副本：请指定 --disruptive" in md
+    assert "- 备注：该层在此处停止" in md
+    assert "第 2 层：各卡利用率" in (tmp_path / "zh" / "layer2-utilization.svg").read_text()
+    assert layer_evidence_lines(zh)[0] == "\n-- 第 2 层 / 首 token 延迟：FAIL (该层在此处停止)"
+    data = json.loads((tmp_path / "zh" / "report.json").read_text())
+    assert data["layers"][0]["title"] == "One model on one card"
+    assert [c["name"] for c in data["layers"][0]["checkpoints"]] == [
+        "preparation time",
+        "first-token latency",
+    ]
+    assert data["layers"][1]["skipped"] == "layer 5 stops a replica: give --disruptive"
+    monkeypatch.setenv("LANGUAGE", "C")
+    monkeypatch.setenv("LC_ALL", "C")
+    report.write(run(), tmp_path / "en")
+    md = (tmp_path / "en" / "report.md").read_text()
+    assert md.startswith("# Kunlun Platform acceptance report\n")
+    assert "| 2 | first-token latency | 900 ms | < 500 ms | FAIL |" in md
+    assert (tmp_path / "en" / "report.json").read_text() == (tmp_path / "zh" / "report.json").read_text()

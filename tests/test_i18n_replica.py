@@ -134,3 +134,34 @@ async def test_errors_without_a_known_id_stay_english(
         assert reworded == f"127.0.0.1:{port}: 未找到: there is no device 'x' (reworded)"
     finally:
         await server.stop(None)
+
+
+def test_validation_errors_from_the_replica_in_chinese(replica: LocalCluster) -> None:
+    """Spec and scheduler-config validation: every problem of the list translated, English unchanged."""
+    admin = _config(replica, "operator", "admin")
+    (ep,) = replica.endpoints
+    bad = ("workload", "submit", "--name", "Bad_Name", "--model", "m", "--replicas", "5000")
+    zh = _cli(admin, "zh_CN.UTF-8", *bad)
+    assert zh.returncode == 1, zh.stderr
+    assert zh.stderr.strip() == (
+        f"kunlun-cli: {ep}: 参数无效: 无效的工作负载规格：\n"
+        "  name：'Bad_Name' 不是有效的名称；请使用小写字母、数字、'-' 和 '.'，最多 63 个字符\n"
+        "  replicas：应为 0..1000，实际为 5000"
+    )
+    en = _cli(admin, "C.UTF-8", *bad)
+    assert en.stderr.strip() == (
+        f"kunlun-cli: {ep}: invalid argument: invalid workload spec:\n"
+        "  name: 'Bad_Name' is not a valid name; use lowercase letters, digits, '-' and '.', at most 63\n"
+        "  replicas: expected 0..1000, found 5000"
+    )
+    cfg = replica.base / "scheduler_config.yaml"
+    cfg.write_text("policy: spreed\nmax_placements_per_commit: 0\n")
+    zh = _cli(admin, "zh_CN.UTF-8", "scheduler", "config", "set", "-f", str(cfg))
+    assert zh.returncode == 1, zh.stderr
+    assert zh.stderr.startswith(
+        f"kunlun-cli: {ep}: 参数无效: scheduler_config.yaml：2 个问题：\n  - policy："
+    ), zh.stderr
+    assert (
+        "\n  - max_placements_per_commit：应为 1 到 64 的整数（每个事务 128 个 etcd 操作，每次放置 2 个），实际为 0"
+        in zh.stderr
+    )

@@ -1,6 +1,6 @@
 """kunlun-installer against a real bundle built from this checkout (`make dist`'s code path).
 
-One bundle is built per session (the wheel of this tree and its pinned dependencies); hosts are
+One bundle is built per session (conftest's `bundle_dir`: the wheel of this tree and its pinned dependencies); hosts are
 temporary folders standing for /opt/kunlun, /etc/kunlun, /etc/systemd/system and /var/lib/kunlun.
 Each install builds a real virtual environment offline from the bundle's wheelhouse.
 """
@@ -24,20 +24,11 @@ import pytest
 from devcluster.procs import free_port, wait_for
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, write_crl
 from kunlun_installer import host
-from kunlun_installer.bundle import Bundle, build, write_manifest
+from kunlun_installer.bundle import Bundle, write_manifest
 from kunlun_installer.units import ROLES, command_line, parse_unit
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-
-
-@pytest.fixture(scope="session")
-def bundle_dir() -> Iterator[Path]:
-    out = Path(tempfile.mkdtemp(prefix="kunlun-dist-"))
-    try:
-        yield build(ROOT, out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -399,3 +390,13 @@ def test_uninstall_keeps_config_and_data_unless_purged(installed: host.Paths) ->
     assert (paths.etc / "replica.yaml").exists() and paths.data.exists()
     assert installer("uninstall", "--purge", paths=paths).returncode == 0
     assert not paths.etc.exists() and not paths.data.exists()
+
+
+def test_a_missing_unit_is_named_with_the_fix(tmp_path: Path) -> None:
+    """`run` on a host whose unit was removed stops at 'read unit' and says how to repair."""
+    from kunlun_installer.errors import InstallError
+
+    with pytest.raises(InstallError) as e:
+        parse_unit(tmp_path / "kunlun-gateway.service")
+    assert "read unit" in str(e.value) and "verify --repair" in str(e.value)
+    assert f"{tmp_path / 'kunlun-gateway.service'}: missing" in str(e.value)

@@ -1,4 +1,5 @@
-"""The launcher behind `make demo` / `make down`: up prints all devices Ready, down leaves nothing."""
+"""The launcher behind `make demo` / `make down`: up prints all devices Ready and its processes log
+readable lines, down leaves nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
             env=env,
         )
         assert len(json.loads(listed.stdout)["items"]) == 7
+        # the demo logs readable lines (production and the test clusters log JSON)
+        for log in (base / "replicas" / "replica-1.log", base / "agents" / "node-a" / "agent.log"):
+            lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+            assert lines and not any(ln.lstrip().startswith("{") for ln in lines), lines[:3]
+        serving = [
+            ln
+            for ln in (base / "replicas" / "replica-1.log").read_text().splitlines()
+            if "replica serving" in ln
+        ]
+        assert serving and "[info" in serving[0], serving
     finally:
         down = subprocess.run(
             [sys.executable, "-m", "devcluster", "down", "--dir", str(base)],

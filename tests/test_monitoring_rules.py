@@ -28,6 +28,7 @@ EXPORTED = {
     "kunlun_replica_leader",
     "kunlun_replica_leader_epoch",
     "kunlun_replica_leader_terms",
+    "kunlun_replica_watch_lag_seconds",
     "kunlun_rollout_phase",
     "kunlun_rollout_canary_weight_ratio",
     "kunlun_node_ready",
@@ -46,6 +47,8 @@ EXPORTED = {
     "kunlun_device_status",
     "kunlun_instance_phase",
     "kunlun_instance_restarts",
+    "kunlun_instance_memory_bytes",
+    "kunlun_instance_cpu_seconds",
     "kunlun_instance_prepare_seconds",
     "kunlun_instance_first_token_seconds",
     "kunlun_instance_oom_killed",
@@ -99,6 +102,7 @@ def test_alert_rules_check_and_unit_tests_pass() -> None:
         "KunlunEtcdDatabaseNearQuota",
         "KunlunGatewayErrorRatio",
         "KunlunCertificateExpiresSoon",
+        "KunlunReplicaWatchLagging",
     } <= names
     r = promtool("test", "rules", "alerts.test.yml", cwd=MONITORING)
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()

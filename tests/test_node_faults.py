@@ -16,11 +16,13 @@ from typing import Any
 import grpc
 import pytest
 
-from devcluster.cluster import LocalCluster
+from controlplane.redact import REDACTED
+from devcluster.cluster import EXAMPLES, LocalCluster
 from devcluster.procs import ManagedProcess, pid_alive, wait_for
-from kunlun_common.api import cluster_pb2, types_pb2, workload_pb2
+from kunlun_common.api import cluster_pb2, types_pb2, workload_pb2, workload_pb2_grpc
+from node_agent.executor import ledger as engine_ledger
 from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import call, delete_all, get, set_config, submit, targets
+from tests.sched_helpers import allocations, call, delete_all, get, set_config, submit, targets
 from tests.test_placement_safety import ledger, overlaps, running_on
 
 LEASE_S, DEADLINE_S, STOP_GRACE_S, GRACE_S = 3, 3.0, 5.0, 8.0
@@ -39,7 +41,7 @@ def faults_cluster() -> Iterator[LocalCluster]:
         node_lease_ttl_s=LEASE_S,
         gateways=0,
         metrics=False,
-        extra_nodes=("node-x",),
+        extra_nodes=("node-x", "node-y"),
         agent_args=(
             "--test-engine-fallback",
             "--stop-engines-on-exit",
@@ -212,27 +214,27 @@ def test_registration_is_refused_with_the_fencing_numbers(
     is too slow for THIS cluster's 3 s lease + 8 s grace is refused at registration, and never becomes
     a node."""
     c = faults_cluster
-    config = tmp_path / "node-x.yaml"
-    text = (Path(c.spec.node_configs[0])).read_text().replace("name: node-a", "name: node-x")
+    config = tmp_path / "node-y.yaml"
+    text = (Path(c.spec.node_configs[0])).read_text().replace("name: node-a", "name: node-y")
     config.write_text(text)
     argv = [
         a
-        for a in c.agent_argv(config, "node-x")
+        for a in c.agent_argv(config, "node-y")
         if not a.startswith(("--state-dir=", "--disconnect-stop=", "--stop-grace="))
     ]
     argv += [f"--state-dir={tmp_path / 'state'}", "--disconnect-stop=6", "--stop-grace=5"]
-    agent = ManagedProcess("agent-node-x", argv, tmp_path / "agent.log")
+    agent = ManagedProcess("agent-node-y", argv, tmp_path / "agent.log")
     agent.start()
     try:
         want = (
-            "node node-x: disconnect deadline 7s + stop grace 5s = 12s is not below node lease 3s + "
+            "node node-y: disconnect deadline 7s + stop grace 5s = 12s is not below node lease 3s + "
             "node_not_ready_grace_seconds 8s = 11s"
         )
         wait_for(lambda: want in agent.log_text(), 60, "the refusal in the agent's log")
         assert agent.alive(), "the agent keeps trying (the operator may raise the grace)"
         resp = c.call_any("ListNodes", cluster_pb2.ListNodesRequest())
         assert isinstance(resp, cluster_pb2.ListNodesResponse)
-        assert "node-x" not in {n.name for n in resp.nodes}
+        assert "node-y" not in {n.name for n in resp.nodes}
     finally:
         agent.stop()
     replica_logs = "".join(p.read_text() for p in (c.base / "replicas").glob("*.log"))
@@ -271,3 +273,77 @@ def names(cluster: LocalCluster) -> list[str]:
     resp = call(cluster, lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest())
     assert isinstance(resp, workload_pb2.ListWorkloadsResponse)
     return [w.workload.spec.name for w in resp.workloads]
+
+
+BIG_ENV = {f"KUNLUN_TEST_PAD_{i}": "p" * (110 << 10) for i in range(8)}
+"""About 0.9 MiB of spec (each value under Linux's 128 KiB limit for one environment string)."""
+
+
+def test_a_node_full_of_large_specs_still_gets_its_assignments(
+    faults_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Five instances of one workload with a 0.9 MiB spec on one 8-device node: an assignment set
+    with the spec in every item (4.5 MiB) passed gRPC's default 4 MiB limit, so the agent dropped
+    the stream on every push and never started them. The set carries each distinct spec once, and
+    both ends of the agent channel use the same limits."""
+    c = faults_cluster
+    config = tmp_path / "node-x.yaml"
+    text = (EXAMPLES / "hygon-k100-x8.yaml").read_text()
+    text = text.replace("name: dcu-01", "name: node-x").replace(
+        "address: dcu-01.cluster.local", "address: 127.0.0.1\n  simulated: true"
+    )
+    config.write_text(text)
+    argv = [a for a in c.agent_argv(config, "node-x") if not a.startswith("--state-dir=")]
+    agent = ManagedProcess(
+        "agent-node-x", [*argv, f"--state-dir={tmp_path / 'state'}"], tmp_path / "agent.log"
+    )
+    agent.start()
+    try:
+        wait_for(lambda: c.node_ready("node-x"), 60, "node-x registered")
+        submit(c, name="wide", model="m", replicas=5, preferred_device_types=["hygon"], env=BIG_ENV)
+
+        def started() -> int:
+            events = engine_ledger.read(engine_ledger.ledger_path(tmp_path / "state"))
+            return len({e["instance"] for e in events if e["event"] == "start"})
+
+        wait_for(lambda: started() == 5, 120, "5 engines started on node-x")
+        assert "RESOURCE_EXHAUSTED" not in agent.log_text() and "larger than max" not in agent.log_text()
+        # the API too: `workload describe` (gRPC's default 4 MiB here) gets the spec once, in the
+        # workload, not again in each instance placed with that same spec
+        s = get(c, "wide")
+        assert len(s.instances) == 5 and not any(i.HasField("spec") for i in s.instances)
+        assert dict(s.workload.spec.env) == BIG_ENV
+    finally:
+        call(c, lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name="wide"))
+        try:
+            wait_for(lambda: not any(d.startswith("node-x/") for d in allocations(c)), 60, "wide removed")
+        finally:
+            agent.stop()
+
+
+def test_a_viewer_sees_no_secret_through_the_instances(faults_cluster: LocalCluster) -> None:
+    """A viewer's `workload describe`/`list` redacts env values and secret arguments in the
+    workload's spec, in the specs its instances were placed with (set by rolling updates) and in
+    the launch commands their nodes reported: those two once carried every secret in clear."""
+    c = faults_cluster
+    secret = "hf_do_not_show_4711"
+    submit(c, name="sec", model="m", env={"HF_TOKEN": secret}, engine_args=["--api-key", secret])
+    wait_for(lambda: running_on(c, "sec", "node-"), 120, "sec Running")
+    # a new generation whose engine takes 5 s to serve: the old instance (its own spec) stays meanwhile
+    new_args = ["--api-key", secret, "--startup-delay", "5"]
+    submit(c, name="sec", model="m", env={"HF_TOKEN": secret + "x"}, engine_args=new_args)
+    addr = next(iter(c.replica_addrs.values()))
+
+    def as_viewer() -> bytes:
+        with c.channel(addr, role="viewer", name="viewer") as ch:
+            stub = workload_pb2_grpc.WorkloadServiceStub(ch)
+            one = stub.GetWorkload(workload_pb2.GetWorkloadRequest(name="sec"), timeout=10)
+            every = stub.ListWorkloads(workload_pb2.ListWorkloadsRequest(), timeout=10)
+            page = stub.ListWorkloads(workload_pb2.ListWorkloadsRequest(page_size=10), timeout=10)
+            assert any(i.HasField("spec") for i in one.instances), "an instance of the old spec"
+            return one.SerializeToString() + every.SerializeToString() + page.SerializeToString()
+
+    operator = get(c, "sec")
+    seen = as_viewer()
+    assert secret.encode() not in seen and REDACTED.encode() in seen
+    assert any(i.spec.env.get("HF_TOKEN") == secret for i in operator.instances if i.HasField("spec"))

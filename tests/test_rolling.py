@@ -139,11 +139,11 @@ def test_policy_of_a_spec_and_its_validation() -> None:
     spec.max_surge = 0
     assert RollPolicy.of(spec) == RollPolicy(0, 1, False)  # no surge: one below instead
     spec.max_unavailable = 0
-    assert any("both 0" in p for p in rolling_problems(spec))
+    assert any("both 0" in str(p) for p in rolling_problems(spec))
     spec.max_surge, spec.max_unavailable = -1, 2000
     assert len(rolling_problems(spec)) == 2
     pinned = with_defaults(workload_pb2.WorkloadSpec(name="p", model="m", pin="ascend:0", max_unavailable=0))
-    assert any("pin" in p for p in rolling_problems(pinned))
+    assert any("pin" in str(p) for p in rolling_problems(pinned))
     assert (
         rolling_problems(with_defaults(workload_pb2.WorkloadSpec(name="p", model="m", pin="ascend:0"))) == []
     )

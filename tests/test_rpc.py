@@ -39,6 +39,7 @@ from kunlun_common.errors import (
     PermissionRefused,
     TemporaryError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.pki import paths_for
 from kunlun_common.tls import Identity, channel_credentials, load_tls, server_credentials
 
@@ -63,7 +64,10 @@ def test_every_served_method_is_wrapped_and_listed(servicer: type[Servicer], pb:
 
 def test_domain_errors_map_once() -> None:
     assert status_of(InvalidInput("x")) == grpc.StatusCode.INVALID_ARGUMENT
-    assert status_of(SpecError(["name: required"])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        status_of(SpecError([msg("spec.name_required", "name: required")]))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     assert status_of(ConfigError("x")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_of(records.NotFound("x")) == grpc.StatusCode.NOT_FOUND
     assert status_of(PermissionRefused("x")) == grpc.StatusCode.PERMISSION_DENIED

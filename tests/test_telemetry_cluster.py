@@ -81,6 +81,11 @@ def test_every_exporter_is_promtool_clean_and_only_for_monitoring(cluster: Local
         if proc.startswith("agent-"):
             node = proc.removeprefix("agent-")
             assert f'kunlun_device_utilization_ratio{{device="{node}/'.encode() in body
+        if proc.startswith("replica-"):  # each replica's watch lag: measured, and sane on loopback
+            lag = re.search(
+                rb'^kunlun_replica_watch_lag_seconds\{replica="%s"\} (\S+)$' % proc.encode(), body, re.M
+            )
+            assert lag is not None and 0.0 <= float(lag.group(1)) < 10.0, (proc, lag)
     # every metric the rules and the dashboard may use is defined by some live exporter
     assert families >= EXPORTED, EXPORTED - families
     # an operator (or any other role) is refused, and a client without a certificate cannot connect
@@ -188,6 +193,15 @@ def test_real_prometheus_scrapes_devices_scheduler_and_gateway_traffic(
             ),
             90,
             "chat Running",
+        )
+        # the engine's cgroup memory and CPU, exported by its agent (the nvidia device is on node-b)
+        wait_for(
+            lambda: (
+                prometheus.query('kunlun_instance_memory_bytes{node="node-b"} > 1e6')
+                and prometheus.query('kunlun_instance_cpu_seconds_total{node="node-b"} > 0')
+            ),
+            60,
+            "chat's cgroup memory and CPU",
         )
         gateways = list(cluster.gateway_addrs.values())
         wait_for(lambda: all(chat(g) == 200 for g in gateways), 30, "every gateway routes chat")
@@ -314,6 +328,23 @@ def test_profiling_toggles_at_run_time_in_every_process(cli_config: Path, cluste
     )
     for name in procs:
         check_nesting(_trace_state(folder, name)[0])
+    monitoring = tls_context(cluster.cert_dir, "monitoring", "prometheus")
+
+    def profiling_metrics() -> dict[str, dict[str, float]]:
+        out = {}
+        for proc, addr in cluster.metrics_addrs.items():
+            _, body = scrape(addr, monitoring)
+            out[proc] = {
+                m.group(1).decode(): float(m.group(2))
+                for m in re.finditer(rb"^(kunlun_profiling_\w+) (\S+)$", body, re.M)
+            }
+        return out
+
+    on = profiling_metrics()  # every exporter shows it on, with the profiler's own cost
+    assert len(on) == 8 and all(
+        m["kunlun_profiling_enabled"] == 1.0 and m["kunlun_profiling_samples_total"] > 0 for m in on.values()
+    ), on
+    assert all(m["kunlun_profiling_cpu_seconds_total"] >= 0 for m in on.values())
     cli(cli_config, "scheduler", "config", "set", "advanced_profiling=false")
     wait_for(
         lambda: all(markers(read_trace(process_files(folder, n)[-1]), "profiling stopped") for n in procs),
@@ -331,3 +362,5 @@ def test_profiling_toggles_at_run_time_in_every_process(cli_config: Path, cluste
         assert len(files) <= 8  # the default ring: 8 files of at most 4 MiB
         assert all(p.stat().st_size <= 4 * 2**20 for p in files)
         assert procs[name].alive() and procs[name].pid == pids[name]
+    off = profiling_metrics()
+    assert all(m["kunlun_profiling_enabled"] == 0.0 for m in off.values()), off

@@ -4,7 +4,7 @@ every other role, and engine logs need the operator role."""
 from __future__ import annotations
 
 from controlplane.api.auth import PERMISSIONS
-from controlplane.redact import REDACTED, redact_args, workload_for
+from controlplane.redact import REDACTED, instances_for, redact_args, workload_for
 from kunlun_common.api import workload_pb2
 from kunlun_common.tls import Identity
 
@@ -50,3 +50,27 @@ def test_plain_arguments_are_kept() -> None:
 
 def test_engine_logs_need_the_operator_role() -> None:
     assert PERMISSIONS["/kunlun.v1.WorkloadService/Logs"] == ("operator",)
+
+
+def _instances(w: workload_pb2.Workload) -> list[workload_pb2.Instance]:
+    """One instance placed with the workload's current spec, one with an older one (a rolling update)."""
+    current = workload_pb2.Instance(
+        id="w-1-0-5", spec=w.spec, launch_command=["engine", "--api-key", "sk-live-123"]
+    )
+    current.spec.replicas = 0
+    old = workload_pb2.Instance(id="w-1-1-3", spec=w.spec)
+    old.spec.env["HF_TOKEN"] = "hf_old_secret"
+    return [current, old]
+
+
+def test_instances_carry_no_repeated_spec_and_no_secret_for_viewers() -> None:
+    w = _workload()
+    w.spec.replicas = 2
+    current, old = instances_for(Identity("viewer", "viewer"), w, _instances(w))
+    assert not current.HasField("spec"), "the workload's current spec travels once, in the workload"
+    assert list(current.launch_command) == ["engine", "--api-key", REDACTED]
+    assert dict(old.spec.env) == {"HF_TOKEN": REDACTED, "LOG_LEVEL": REDACTED}
+    assert "sk-live-123" not in list(old.spec.engine_args)
+    current, old = instances_for(Identity("admin", "operator"), w, _instances(w))
+    assert not current.HasField("spec") and "sk-live-123" in list(current.launch_command)
+    assert old.spec.env["HF_TOKEN"] == "hf_old_secret"

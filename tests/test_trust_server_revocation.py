@@ -1,24 +1,37 @@
 """Revoked *server* certificates on one live cluster: agents, gateways and the CLI leave a replica
 whose certificate is revoked and use another (grpc-python shows a client no server certificate,
-so each client checks the serial with a TLS handshake of its own: kunlun_common/server_check.py)."""
+so each client checks the serial with a TLS handshake of its own: kunlun_common/server_check.py).
+And the replicas' etcd client certificate: rotated, reloaded on SIGHUP, the old one revoked at etcd."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.config import ClientConfig
+from controlplane.store import EtcdStore, StoreSettings
 from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
-from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from kunlun_common.pki import certificate_serial, paths_for
+from kunlun_common.api import (
+    cluster_pb2,
+    cluster_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    workload_pb2,
+    workload_pb2_grpc,
+)
+from kunlun_common.errors import KunlunError
+from kunlun_common.pki import CertPaths, certificate_serial, etcd_client_paths, paths_for
 from tests.conftest import FAST_TMP, start_cluster
+from tests.sched_helpers import placed
 from tests.test_trust_lifecycle import _config, _serial_at, cli
 
 
@@ -97,3 +110,115 @@ def test_clients_leave_replicas_whose_certificate_is_revoked(sr_cluster: LocalCl
     assert blind.revoked is None
     blind.call(lambda s: s.WhoAmI, cluster_pb2.WhoAmIRequest())
     assert blind.answered_by == eps[0]
+
+
+def _status(c: LocalCluster) -> tuple[str, int]:
+    resp = c.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest())
+    assert isinstance(resp, cluster_pb2.ClusterStatusResponse)
+    return resp.leader, resp.leader_epoch
+
+
+def _etcd_answers(endpoints: tuple[str, ...], pair: CertPaths) -> bool:
+    """Whether etcd at `endpoints` serves a read to a new connection with this client pair."""
+
+    async def read() -> bool:
+        store = EtcdStore(
+            StoreSettings(
+                endpoints,
+                str(pair.ca),
+                str(pair.cert),
+                str(pair.key),
+                request_timeout_s=2.0,
+                retry_deadline_s=2.0,
+            )
+        )
+        try:
+            await store.get("/kunlun/v1/leader")
+            return True
+        except KunlunError:
+            return False
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_replicas_reload_their_etcd_certificate_on_sighup_and_the_old_one_can_be_revoked(
+    sr_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    c = sr_cluster
+    admin = _config(c, "operator", "admin")
+    current = etcd_client_paths(c.cert_dir)
+    kept = CertPaths(current.ca, tmp_path / "old.crt", tmp_path / "old.key")
+    shutil.copy(current.cert, kept.cert)
+    shutil.copy(current.key, kept.key)
+    old = f"{certificate_serial(current.cert):x}"
+    before = _status(c)
+
+    r = cli(admin, "certs", "rotate", str(c.cert_dir), "--name", "etcd-client/kunlun", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    new = f"{certificate_serial(current.cert):x}"
+    assert new != old
+    # the old certificate revoked at etcd before the replicas reload: new connections with it fail
+    r = cli(admin, "certs", "revoke", old, "--dir", str(c.cert_dir), "--reason", "rotated")
+    assert r.returncode == 0, r.stderr
+    c.distribute_crl()
+    assert not _etcd_answers(c.etcd.endpoints, kept)
+    assert _etcd_answers(c.etcd.endpoints, current)
+
+    logs = {name: c.base / "replicas" / f"{name}.log" for name in c.replicas}
+    c.reload_certs()  # the bundles again, and SIGHUP
+    wait_for(
+        lambda: all(
+            f"serial={new}" in p.read_text(errors="replace")
+            or f'"serial": "{new}"' in p.read_text(errors="replace")
+            for p in logs.values()
+        ),
+        30,
+        "every replica reloaded its etcd client certificate",
+    )
+    wait_for(
+        lambda: all(
+            "previous client certificate closed" in p.read_text(errors="replace") for p in logs.values()
+        ),
+        30,
+        "every replica closed its old etcd channel",
+    )
+    assert _status(c) == before, "leadership (leader and fencing epoch) kept through the reload"
+
+    # every connection to etcd made again, now that etcd refuses the old certificate: restart the
+    # members one at a time (each keeps the quorum of the other two)
+    for m in c.etcd.members:
+        m.proc.stop()
+        m.proc.start()
+        wait_for(lambda m=m: _etcd_answers((m.endpoint,), current), 60, f"{m.name} serving again")
+
+    # each replica still writes (etcd took the new certificate) and reads; the leader's
+    # watch-driven loops still place what is submitted; agents' node leases are still refreshed
+    for i, (name, addr) in enumerate(c.replica_addrs.items()):
+        spec = workload_pb2.WorkloadSpec(name=f"after-{i}", model="m", replicas=1)
+
+        def submitted(addr: str = addr, spec: workload_pb2.WorkloadSpec = spec) -> bool:
+            with c.channel(addr) as ch:
+                try:
+                    workload_pb2_grpc.WorkloadServiceStub(ch).SubmitWorkload(
+                        workload_pb2.SubmitWorkloadRequest(spec=spec), timeout=5
+                    )
+                except grpc.RpcError:
+                    return False
+            return True
+
+        wait_for(submitted, 30, f"a write through {name}")
+    for addr in c.replica_addrs.values():
+        with c.channel(addr) as ch:
+            stub = workload_pb2_grpc.WorkloadServiceStub(ch)
+            for i in range(len(c.replica_addrs)):
+                got = stub.GetWorkload(workload_pb2.GetWorkloadRequest(name=f"after-{i}"), timeout=10)
+                assert got.workload.spec.name == f"after-{i}"
+    wait_for(
+        lambda: all(placed(c, f"after-{i}") for i in range(len(c.replica_addrs))),
+        60,
+        "the leader placed the workloads submitted after the reload",
+    )
+    assert c.node_ready("node-a") and c.node_ready("node-b")
+    assert _etcd_answers(c.etcd.endpoints, current) and not _etcd_answers(c.etcd.endpoints, kept)

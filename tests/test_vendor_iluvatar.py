@@ -122,12 +122,14 @@ def spec(**fields: object) -> workload_pb2.WorkloadSpec:
 
 
 def test_submit_refuses_sglang_on_iluvatar_with_the_reason() -> None:
-    problems = validate(spec(preferred_device_types=["iluvatar"]))  # engine defaults to sglang
+    problems = [
+        str(p) for p in validate(spec(preferred_device_types=["iluvatar"]))
+    ]  # engine defaults to sglang
     assert problems == [
         "engine: sglang cannot run on iluvatar devices: upstream SGLang has no Iluvatar CoreX device; "
         "use engine: template"
     ]
-    assert validate(spec(pin="node-a/iluvatar:0"))[0].startswith("engine: sglang cannot run on iluvatar")
+    assert str(validate(spec(pin="node-a/iluvatar:0"))[0]).startswith("engine: sglang cannot run on iluvatar")
     assert validate(spec(preferred_device_types=["ascend", "nvidia"])) == []
     template = spec(
         preferred_device_types=["iluvatar"], engine="template", command_template="/opt/ix/serve --port {port}"

@@ -1,28 +1,47 @@
 """`kunlun-cli verify` against a real local cluster (3 etcd members, 3 replicas, 2 simulated agents,
 3 gateways): the layers pass and the report is written; a busy card is refused and a topology that
-differs from the declaration fails, each with a non-zero exit code; nothing the run created stays."""
+differs from the declaration fails, each with a non-zero exit code; nothing the run created stays.
+
+The replicas run under devcluster's supervisor, as `make demo` runs them: layer 5 drains one through
+the operator call, its process exits and the supervisor starts a new one."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
 from controlplane.cli.config import ClientConfig, write_client_config
 from devcluster.cluster import EXAMPLES, LocalCluster
-from devcluster.procs import wait_for
-from kunlun_common.api import types_pb2
+from devcluster.procs import pid_alive, wait_for
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, rollout_pb2, rollout_pb2_grpc, types_pb2
 from kunlun_common.pki import paths_for
+from tests.conftest import FAST_TMP, start_cluster
 from tests.sched_helpers import delete_all, get, submit, workloads
 
 NODE_CONFIGS = [str(EXAMPLES / "node-a.yaml"), str(EXAMPLES / "node-b.yaml")]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """The conftest's local cluster, with every replica under devcluster/supervise.py."""
+    base = Path(tempfile.mkdtemp(prefix="kunlun-cluster-", dir=FAST_TMP))
+    c = start_cluster(base, extra_nodes=("node-x", "node-c"), supervise_replicas=True)
+    try:
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +52,12 @@ def clean(cluster: LocalCluster) -> Iterator[None]:
 
 @pytest.fixture
 def cli(cluster: LocalCluster, tmp_path: Path) -> Any:
-    p = paths_for(cluster.cert_dir, "operator", "admin")
-    cfg = tmp_path / "client.yaml"
+    return cli_as(cluster, tmp_path, "operator", "admin")
+
+
+def cli_as(cluster: LocalCluster, tmp_path: Path, role: str, name: str) -> Any:
+    p = paths_for(cluster.cert_dir, role, name)
+    cfg = tmp_path / f"client-{role}.yaml"
     write_client_config(cfg, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
 
     def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -123,6 +146,18 @@ def test_a_card_serving_another_workload_is_refused(cluster: LocalCluster, cli: 
     assert r4.returncode == 1, r4.stderr
     refused4 = checkpoints(json.loads(r4.stdout))[(4, "the cambricon cards are free")]
     assert refused4["result"] == "fail" and "node-b/cambricon:1 held by tenant" in refused4["measured"]
+    # layer 5 drains a replica and loads the shared gateways: refused while others are served
+    pids = replica_pids(cluster)
+    r5 = cli("verify", "--layer", "5", "--disruptive", "-o", "json")
+    assert r5.returncode == 1, r5.stderr
+    report5 = json.loads(r5.stdout)
+    assert list(checkpoints(report5)) == [(5, "the cluster serves no workload of others")]
+    refused5 = checkpoints(report5)[(5, "the cluster serves no workload of others")]
+    assert refused5["result"] == "fail" and "node-b/cambricon:1 held by tenant" in refused5["measured"]
+    assert replica_pids(cluster) == pids  # nobody was drained
+    # and without --disruptive it does not run at all (a skipped layer is no pass)
+    skipped = cli("verify", "--layer", "5", "-o", "json")
+    assert skipped.returncode == 1 and json.loads(skipped.stdout)["layers"][0]["result"] == "skipped"
     assert no_verify_workloads(cluster)
     assert get(cluster, "tenant").instances[0].target_devices == ["node-b/cambricon:1"]  # untouched
 
@@ -139,3 +174,118 @@ def test_a_topology_that_differs_from_the_declaration_fails(
     assert "FAIL: " in r.stdout
     line = next(x for x in r.stdout.splitlines() if x.startswith("1      topology matrix as declared"))
     assert line.rstrip().endswith("FAIL") and "differs from the declared" in line
+
+
+def replica_pids(cluster: LocalCluster) -> dict[str, int]:
+    resp = cluster.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest())
+    assert isinstance(resp, cluster_pb2.ClusterStatusResponse)
+    return {r.name: r.pid for r in resp.replicas}
+
+
+def verify_rollouts(cluster: LocalCluster) -> list[str]:
+    with cluster.channel(cluster.endpoints[0]) as ch:
+        resp = rollout_pb2_grpc.RolloutServiceStub(ch).ListRollouts(
+            rollout_pb2.ListRolloutsRequest(), timeout=10
+        )
+    return [r.workload for r in resp.rollouts if r.workload.startswith("kunlun-verify-")]
+
+
+def connected_replica(cluster: LocalCluster, node: str) -> str:
+    resp = cluster.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+    assert isinstance(resp, cluster_pb2.ListNodesResponse)
+    return next(n.connected_replica for n in resp.nodes if n.name == node)
+
+
+def test_layer5_drains_a_replica_which_comes_back_and_the_canary_passes(
+    cluster: LocalCluster, cli: Any, tmp_path: Path
+) -> None:
+    wait_for(lambda: all_ready(cluster), 120, "every device Ready")
+    # drain the replica that holds node-a's agent stream: the agent must move
+    target = connected_replica(cluster, "node-a")
+    leader = cluster.leader()
+    before = replica_pids(cluster)
+    supervisors = {n: p.pid for n, p in cluster.replicas.items()}
+    out = tmp_path / "report"
+    args = ["--replica", target, "--report", str(out), "-o", "json", "--requests", "400"]
+    r = cli("verify", "--layer", "5", "--disruptive", *args)
+    report = json.loads(r.stdout)
+    cps = checkpoints(report)
+    failed = [c for c in cps.values() if c["result"] != "pass"]
+    assert r.returncode == 0 and not failed, (r.stderr[-3000:], json.dumps(failed, indent=1)[:8000])
+    # the drained process really exited (status 0, as its supervisor saw) and a new one serves
+    after = replica_pids(cluster)
+    assert after[target] != before[target] and not pid_alive(before[target])
+    assert {n: p for n, p in after.items() if n != target} == {n: p for n, p in before.items() if n != target}
+    assert cluster.replicas[target].pid == supervisors[target] and cluster.replicas[target].alive()
+    assert f"supervise: pid {before[target]} exited with status 0" in cluster.replicas[target].log_text()
+    assert cluster.replica_serving(target) and cluster.leader() not in ("", target)
+    assert connected_replica(cluster, "node-a") not in ("", target)  # the agent moved
+    handover = (
+        "leadership handed over" if leader == target else "leadership unchanged (a follower was drained)"
+    )
+    names = [name for (layer, name) in cps if layer == 5]
+    assert names == [
+        "replica drained through the operator call and exited",
+        handover,
+        "workload list complete while the replica was away",
+        "agents and gateways moved to other replicas",
+        "the replica restarted",
+        "canary share of the burst",
+        "canary error rate",
+        "canary p95 latency against the baseline",
+        "rollout status consistent with the plan",
+    ]
+    drained = cps[(5, "replica drained through the operator call and exited")]["measured"]
+    assert f"{target} (pid {before[target]}, {'leader' if leader == target else 'follower'})" in drained
+    assert " 0 agent/gateway streams" not in drained, drained  # at least node-a's stream was ended
+    assert "node-a" in cps[(5, "agents and gateways moved to other replicas")]["measured"].split(";")[0]
+    assert cps[(5, "the replica restarted")]["measured"].startswith(
+        f"{target} serves again as pid {after[target]}"
+    )
+    listed = cps[(5, "workload list complete while the replica was away")]["measured"]
+    reads, total = listed.split(" reads", 1)[0].split("/")
+    assert reads == total and int(total) > 0, listed
+    layer5 = next(layer for layer in report["layers"] if layer["layer"] == 5)
+    assert len(layer5["latencies_ms"]) == 400
+    md = (out / "report.md").read_text()
+    assert "| 5 | the replica restarted |" in md and (out / "layer5-latency.svg").exists()
+    # what the run created is gone: the workload and, with it, its rollout
+    assert no_verify_workloads(cluster)
+    wait_for(lambda: not verify_rollouts(cluster), 30, "the verify rollout to go with its workload")
+
+
+def test_only_an_operator_drains_and_only_the_replica_itself(cluster: LocalCluster, tmp_path: Path) -> None:
+    wait_for(lambda: len(replica_pids(cluster)) == 3, 120, "3 replicas registered")
+    before = replica_pids(cluster)
+    name = sorted(before)[0]
+    viewer = cli_as(cluster, tmp_path, "viewer", "viewer")
+    r = viewer("cluster", "replica", "drain", name, timeout=60)
+    assert r.returncode != 0 and "permission denied" in r.stderr, r.stderr
+    # straight to the replica, as a viewer: refused by the role table
+    creds_ch = cluster.channel(cluster.replica_addrs[name], role="viewer", name="viewer")
+    with creds_ch as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            cluster_pb2_grpc.ClusterServiceStub(ch).DrainReplica(
+                cluster_pb2.DrainReplicaRequest(name=name), timeout=10
+            )
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # an operator's drain sent to another replica is refused: a replica drains only itself
+    other = sorted(before)[1]
+    with cluster.channel(cluster.replica_addrs[other]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            cluster_pb2_grpc.ClusterServiceStub(ch).DrainReplica(
+                cluster_pb2.DrainReplicaRequest(name=name), timeout=10
+            )
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and f"this is replica {other}" in str(
+        e.value.details()
+    )
+    assert replica_pids(cluster) == before  # nobody drained, nobody exited
+    # the operator's command drains a follower, which its supervisor starts again
+    follower = next(n for n in sorted(before) if n != cluster.leader())
+    operator = cli_as(cluster, tmp_path, "operator", "admin")
+    r = operator("cluster", "replica", "drain", follower, "--wait", "90", timeout=150)
+    assert r.returncode == 0, r.stderr
+    assert f"replica {follower} (pid {before[follower]}) drained (it did not lead)" in r.stdout
+    assert f"replica {follower} serves again as pid" in r.stdout
+    after = replica_pids(cluster)
+    assert after[follower] != before[follower] and not pid_alive(before[follower])

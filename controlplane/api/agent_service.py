@@ -22,6 +22,7 @@ from controlplane.report_owner import owned_report
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.errors import KunlunError
 from kunlun_common.tls import Identity
+from kunlun_common.wire_limits import TO_AGENT_MAX_BYTES
 
 log = structlog.get_logger("agent-api")
 
@@ -57,8 +58,8 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             await abort(context, code, "; ".join(problems))
         try:
             if fencing := await self.sessions.fencing_problem(first.register):
-                log.warning("registration refused", identity=str(ident), problem=fencing)
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, fencing)
+                log.warning("registration refused", identity=str(ident), problem=str(fencing))
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(fencing))
             session = await self.sessions.register(first.register, str(ident))
         except KunlunError as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"registration could not be stored: {e}")
@@ -69,7 +70,10 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
         reader = asyncio.create_task(
             self._read(request_iterator, session, out), name=f"agent-reader-{session.node}"
         )
-        pusher = asyncio.create_task(self._push_assignments(session, out), name=f"assignments-{session.node}")
+        pusher = asyncio.create_task(
+            self._push_assignments(session, out, first.register.shared_specs),
+            name=f"assignments-{session.node}",
+        )
         profiling = asyncio.create_task(self._push_profiling(out), name=f"profiling-{session.node}")
         try:
             while True:
@@ -111,12 +115,18 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             out.put_nowait(None)
 
     async def _push_assignments(
-        self, session: NodeSession, out: asyncio.Queue[agent_pb2.ReplicaMessage | None]
+        self,
+        session: NodeSession,
+        out: asyncio.Queue[agent_pb2.ReplicaMessage | None],
+        shared_specs: bool = False,
     ) -> None:
         """Send the node's assignment set at start and whenever it changed.
 
         Woken only by changes that can affect this node (its topic in the feeds' index): a
-        telemetry write or another node's placement costs this stream nothing."""
+        telemetry write or another node's placement costs this stream nothing. `shared_specs`: the
+        agent registered saying it understands sets that carry each distinct spec once. A set over
+        the agent channel's limit is not sent (a partial set would stop the instances left out):
+        the agent keeps the last one it applied, and the replica says why."""
         index = self.feeds.index
         topic = index.subscribe(session.node)
         work = self.feeds.cache.work
@@ -125,11 +135,23 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             await self.feeds.cache.ready.wait()
             while True:
                 seen = topic.version
-                current = self.feeds.assignments_for(session.node)
+                current = self.feeds.assignments_for(session.node, shared_specs)
                 if last is None or list(current.items) != last:
                     last = list(current.items)
-                    work.sends += 1
-                    out.put_nowait(agent_pb2.ReplicaMessage(assignments=current))
+                    msg = agent_pb2.ReplicaMessage(assignments=current)
+                    size = msg.ByteSize()
+                    if size > TO_AGENT_MAX_BYTES:
+                        log.error(
+                            "assignment set too large for the agent channel; not sent",
+                            node=session.node,
+                            bytes=size,
+                            limit=TO_AGENT_MAX_BYTES,
+                            instances=len(current.items),
+                            shared_specs=shared_specs,
+                        )
+                    else:
+                        work.sends += 1
+                        out.put_nowait(msg)
                 await topic.wait(seen)
         finally:
             index.unsubscribe(session.node)

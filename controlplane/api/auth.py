@@ -26,6 +26,7 @@ PERMISSIONS: dict[str, tuple[str, ...]] = {
     "/kunlun.v1.ClusterService/ListNodes": READERS,
     "/kunlun.v1.ClusterService/ClusterStatus": READERS,
     "/kunlun.v1.ClusterService/WhoAmI": ("operator", "viewer", "replica", "agent", "gateway"),
+    "/kunlun.v1.ClusterService/DrainReplica": WRITERS,  # the replica exits; its service manager restarts it
     "/kunlun.v1.AgentService/Connect": ("agent",),
     # served by node agents, not replicas (node_agent/node_service.py enforces the same rule)
     "/kunlun.v1.NodeService/Logs": ("replica",),

@@ -1,8 +1,11 @@
-"""ClusterService: read API for operators and viewers (devices, nodes, cluster status)."""
+"""ClusterService: read API for operators and viewers (devices, nodes, cluster status), and the
+operator's drain of one replica."""
 
 from __future__ import annotations
 
-from controlplane import keys
+from collections.abc import Awaitable, Callable
+
+from controlplane import graph_pages, keys, paging
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc
 from controlplane.election import Elector
@@ -10,7 +13,7 @@ from controlplane.graph import load_nodes
 from controlplane.nodes import NodeSessions
 from controlplane.store import EtcdStore
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, types_pb2
-from kunlun_common.errors import InvalidInput, NotFoundError
+from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError
 from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 from kunlun_common.tls import Identity
@@ -19,16 +22,35 @@ from kunlun_common.tls import Identity
 class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
     SERVICE = "kunlun.v1.ClusterService"
 
-    def __init__(self, store: EtcdStore, sessions: NodeSessions, elector: Elector, replica_name: str) -> None:
+    def __init__(
+        self,
+        store: EtcdStore,
+        sessions: NodeSessions,
+        elector: Elector,
+        replica_name: str,
+        drain_replica: Callable[[], Awaitable[cluster_pb2.DrainReplicaResponse]] | None = None,
+    ) -> None:
         self.store = store
         self.sessions = sessions
         self.elector = elector
         self.replica_name = replica_name
+        self.drain_replica = drain_replica
+        """Drains this replica and schedules its exit (Replica.drain); None: draining not offered."""
 
     @rpc
     async def ListDevices(
         self, request: cluster_pb2.ListDevicesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListDevicesResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            page = await graph_pages.device_page(self.store, self.sessions, request, request.node)
+            if request.node and not page.nodes_seen and not request.page_token:
+                raise NotFoundError(
+                    msg("node.not_registered_short", "node {node!r} is not registered", node=request.node)
+                )
+            return cluster_pb2.ListDevicesResponse(
+                devices=page.devices, next_page_token=page.next_page_token, revision=page.revision
+            )
         nodes = await load_nodes(self.store, self.sessions)
         devices: list[types_pb2.Device] = []
         for n in nodes:
@@ -48,7 +70,7 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
         try:
             parse_device_name(request.name)
         except ValueError as e:
-            raise InvalidInput(f"name: {e}") from e
+            raise InvalidInput(msg("cluster.name", "name: {e}", e=e)) from e
         for n in await load_nodes(self.store, self.sessions):
             for d in n.devices:
                 if d.name == request.name:
@@ -68,7 +90,11 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
     async def ListNodes(
         self, request: cluster_pb2.ListNodesRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.ListNodesResponse:
-        return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
+        paging.check_page_size(request.page_size)
+        if not request.page_size:
+            return cluster_pb2.ListNodesResponse(nodes=await load_nodes(self.store, self.sessions))
+        nodes, nxt, revision = await graph_pages.node_page(self.store, self.sessions, request)
+        return cluster_pb2.ListNodesResponse(nodes=nodes, next_page_token=nxt, revision=revision)
 
     @rpc
     async def ClusterStatus(
@@ -110,3 +136,26 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
         self, request: cluster_pb2.WhoAmIRequest, context: Ctx, who: Identity
     ) -> cluster_pb2.WhoAmIResponse:
         return cluster_pb2.WhoAmIResponse(identity=who.name, role=who.role)
+
+    @rpc
+    async def DrainReplica(
+        self, request: cluster_pb2.DrainReplicaRequest, context: Ctx, who: Identity
+    ) -> cluster_pb2.DrainReplicaResponse:
+        if not request.name:
+            raise InvalidInput(
+                msg("replica.drain_no_name", "name: give the replica to drain (`kunlun-cli cluster status`)")
+            )
+        if request.name != self.replica_name:
+            # a replica drains only itself: its process is the one that exits
+            raise PermanentError(
+                msg(
+                    "replica.drain_wrong_replica",
+                    "this is replica {me}, not {name}: send the drain to {name}'s own address "
+                    "(`kunlun-cli cluster replica drain {name}` looks it up)",
+                    me=self.replica_name,
+                    name=request.name,
+                )
+            )
+        if self.drain_replica is None:
+            raise PermanentError(msg("replica.drain_unavailable", "this replica cannot be drained"))
+        return await self.drain_replica()

@@ -5,6 +5,7 @@ Gateways receive the definitions in GatewayConfig.endpoints (GatewayService.Watc
 
 from __future__ import annotations
 
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc
 from controlplane.gateways import request_endpoints
@@ -37,6 +38,18 @@ class EndpointService(Servicer, gateway_pb2_grpc.EndpointServiceServicer):
     async def ListEndpoints(
         self, request: gateway_pb2.ListRequestEndpointsRequest, context: Ctx, who: Identity
     ) -> gateway_pb2.ListRequestEndpointsResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store,
+                keys.REQUEST_ENDPOINTS,
+                request,
+                lambda kv: request_endpoints.decode(kv.value),
+                paging.message_size,
+            )
+            return gateway_pb2.ListRequestEndpointsResponse(
+                endpoints=found, next_page_token=nxt, revision=revision
+            )
         return gateway_pb2.ListRequestEndpointsResponse(
             endpoints=await request_endpoints.list_all(self.store)
         )

@@ -23,13 +23,13 @@ import re
 import time
 from collections.abc import AsyncIterator
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds
 from controlplane.gateways import api_keys, policies, request_endpoints
 from controlplane.rollout import live_rollout
-from controlplane.store import EtcdStore
+from controlplane.store import KV, EtcdStore
 from controlplane.workloads import records
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc, workload_pb2
 from kunlun_common.clock import now_ms
@@ -98,6 +98,16 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
     async def ListApiKeys(
         self, request: gateway_pb2.ListApiKeysRequest, context: Ctx, who: Identity
     ) -> gateway_pb2.ListApiKeysResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store,
+                keys.GATEWAY_KEYS,
+                request,
+                lambda kv: api_keys.listed(keys.decode(kv.value), request.include_revoked),
+                paging.message_size,
+            )
+            return gateway_pb2.ListApiKeysResponse(keys=found, next_page_token=nxt, revision=revision)
         return gateway_pb2.ListApiKeysResponse(
             keys=await api_keys.list_keys(self.store, request.include_revoked)
         )
@@ -119,6 +129,18 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
     async def ListRoutingPolicies(
         self, request: gateway_pb2.ListRoutingPoliciesRequest, context: Ctx, who: Identity
     ) -> gateway_pb2.ListRoutingPoliciesResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store,
+                keys.GATEWAY_POLICIES,
+                request,
+                lambda kv: policies.policy_message(keys.decode(kv.value)),
+                paging.message_size,
+            )
+            return gateway_pb2.ListRoutingPoliciesResponse(
+                policies=found, next_page_token=nxt, revision=revision
+            )
         return gateway_pb2.ListRoutingPoliciesResponse(policies=await policies.list_policies(self.store))
 
     # ------------------------------------------------------------------ registration
@@ -199,12 +221,14 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
     async def ListGateways(
         self, request: gateway_pb2.ListGatewaysRequest, context: Ctx, who: Identity
     ) -> gateway_pb2.ListGatewaysResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store, keys.GATEWAYS, request, _gateway_info, paging.message_size
+            )
+            return gateway_pb2.ListGatewaysResponse(gateways=found, next_page_token=nxt, revision=revision)
         kvs, _ = await self.store.get_prefix(keys.GATEWAYS)
-        out = []
-        for kv in kvs:
-            g = gateway_pb2.GatewayInfo()
-            keys.decode_message(kv.value, g)
-            out.append(g)
+        out = [_gateway_info(kv) for kv in kvs]
         out.sort(key=lambda g: g.name)
         return gateway_pb2.ListGatewaysResponse(gateways=out)
 
@@ -256,3 +280,9 @@ class GatewayService(Servicer, gateway_pb2_grpc.GatewayServiceServicer):
                 cfg.revision = rev
                 yield cfg
             seen = await self.feeds.routing.wait(seen)
+
+
+def _gateway_info(kv: KV) -> gateway_pb2.GatewayInfo:
+    g = gateway_pb2.GatewayInfo()
+    keys.decode_message(kv.value, g)
+    return g

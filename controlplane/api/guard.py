@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from controlplane.api.auth import PERMISSIONS, WRITERS, Ctx, abort
 from controlplane.audit import AUDITED_IN_TXN, AuditLog, object_of
 from controlplane.certs_state import Revocations, SeenCertificates, serial_hex
+from kunlun_common.messages import msg
 from kunlun_common.tls import identity_of, peer_certificate
 
 log = structlog.get_logger("auth")
@@ -50,7 +51,12 @@ class CallGuard:
             await abort(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"certificate serial {serial} ({identity_of(cert)}) was revoked; ask an operator for a new one",
+                msg(
+                    "auth.revoked",
+                    "certificate serial {serial} ({identity}) was revoked; ask an operator for a new one",
+                    serial=serial,
+                    identity=str(identity_of(cert)),
+                ),
             )
         await self.seen.saw(cert)
         return cert

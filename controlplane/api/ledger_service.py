@@ -99,5 +99,13 @@ class LedgerService(Servicer, agent_pb2_grpc.LedgerServiceServicer):
                 stub = agent_pb2_grpc.NodeServiceStub(ch)
                 return await fn(stub)
             except grpc.aio.AioRpcError as e:
-                retry = " (retry once the agent is back)" if e.code() == grpc.StatusCode.UNAVAILABLE else ""
-                await abort(context, e.code(), f"node {node}: {e.details()}{retry}")
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    said = msg(
+                        "node.unavailable",
+                        "node {node}: {details} (retry once the agent is back)",
+                        node=node,
+                        details=e.details(),
+                    )
+                else:
+                    said = msg("node.error", "node {node}: {details}", node=node, details=e.details())
+                await abort(context, e.code(), said)

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds
@@ -54,6 +54,7 @@ from kunlun_common.errors import (
     NotFoundError,
     PermanentError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg import PackageError
 from kunlun_common.modelpkg.signing import key_id, parse_public_key, public_pem
 from kunlun_common.tls import Identity
@@ -118,7 +119,11 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
     ) -> package_pb2.PackageInfo:
         if self.blobs is None:
             raise PermanentError(
-                f"replica {self.replica} keeps no packages (package_store_dir unset); push to another replica"
+                msg(
+                    "package.replica_keeps_no_packages",
+                    "replica {replica} keeps no packages (package_store_dir unset); push to another replica",
+                    replica=self.replica,
+                )
             )
         blobs = self.blobs
         tmp = blobs.new_tmp()
@@ -128,20 +133,30 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
             with tmp.open("wb") as f:
                 async for chunk in request:
                     if len(chunk.data) > MAX_CHUNK:
-                        raise InvalidInput(f"data: chunks of at most {MAX_CHUNK} bytes")
+                        raise InvalidInput(
+                            msg(
+                                "package.data_chunks_at_most",
+                                "data: chunks of at most {max_chunk} bytes",
+                                max_chunk=MAX_CHUNK,
+                            )
+                        )
                     size += len(chunk.data)
                     if size > self.quota:
                         await abort(
                             context,
                             grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"package larger than the store quota ({self.quota} bytes)",
+                            msg(
+                                "package.store.over_quota",
+                                "package larger than the store quota ({quota} bytes)",
+                                quota=self.quota,
+                            ),
                         )
                     await asyncio.to_thread(f.write, chunk.data)
                     chunks.feed(chunk.data)
             try:
                 v = await verify_blob(tmp, await trusted_keys(self.store))
             except PackageError as e:
-                raise InvalidInput(f"package refused: {e}") from None
+                raise InvalidInput(msg("package.package_refused", "package refused: {e}", e=e)) from None
             rec = record_of(v, size, str(who))
             hexd = v.head.digest.removeprefix("sha256:")
             record = tmp.with_suffix(".chunks")
@@ -163,6 +178,16 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
     async def ListPackages(
         self, request: package_pb2.ListPackagesRequest, context: Ctx, who: Identity
     ) -> package_pb2.ListPackagesResponse:
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            found, nxt, revision = await paging.list_page(
+                self.store,
+                PACKAGES,
+                request,
+                lambda kv: package_message(keys.decode(kv.value)),
+                paging.message_size,
+            )
+            return package_pb2.ListPackagesResponse(packages=found, next_page_token=nxt, revision=revision)
         kvs, _ = await self.store.get_prefix(PACKAGES)
         out = [package_message(keys.decode(kv.value)) for kv in kvs]
         out.sort(key=lambda p: (p.name, p.pushed_at_unix_ms))
@@ -178,7 +203,13 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
             await asyncio.to_thread(remove_file, self.blobs.chunks(hexd))
         rec = await remove_holder(self.store, hexd, self.replica)
         if rec is None:
-            raise NotFoundError(f"no package {request.ref} in the store; see `model list`")
+            raise NotFoundError(
+                msg(
+                    "package.no_package_store_see",
+                    "no package {ref} in the store; see `model list`",
+                    ref=request.ref,
+                )
+            )
         return package_message(rec)
 
     @rpc_stream
@@ -211,10 +242,19 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
         pem = request.public_key_pem.encode()
         if not pem or len(pem) > MAX_PEM_BYTES:
             raise InvalidInput(
-                f"public_key_pem: expected an Ed25519 public key PEM of at most {MAX_PEM_BYTES} bytes"
+                msg(
+                    "package.public_key_pem_expected",
+                    "public_key_pem: expected an Ed25519 public key PEM of at most {max_pem_bytes} bytes",
+                    max_pem_bytes=MAX_PEM_BYTES,
+                )
             )
         if request.name and not _LABEL_RE.match(request.name):
-            raise InvalidInput("name: use letters, digits, space, '.', '_', '@', '-', at most 63 characters")
+            raise InvalidInput(
+                msg(
+                    "package.name_use_letters_digits",
+                    "name: use letters, digits, space, '.', '_', '@', '-', at most 63 characters",
+                )
+            )
         pub = parse_public_key(pem, "public_key_pem")  # ConfigError -> INVALID_ARGUMENT
         kid = key_id(pub)
         at = now_ms()
@@ -237,7 +277,9 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
             kv = await self.store.get(TRUST + kid)
             if kv is not None:
                 return trusted_key_message(keys.decode(kv.value))
-            raise ConcurrentChange("the key changed meanwhile; try again")
+            raise ConcurrentChange(
+                msg("package.key_changed_meanwhile_try", "the key changed meanwhile; try again")
+            )
         return trusted_key_message(rec)
 
     @rpc
@@ -246,11 +288,21 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
     ) -> package_pb2.TrustedKey:
         if not _KEY_ID_RE.match(request.key_id):
             raise InvalidInput(
-                f"key_id: {request.key_id!r} is not a key id (ed25519: and 16 hex digits); see `model trust list`"
+                msg(
+                    "package.key_id_not_key",
+                    "key_id: {key_id!r} is not a key id (ed25519: and 16 hex digits); see `model trust list`",
+                    key_id=request.key_id,
+                )
             )
         kv = await self.store.get(TRUST + request.key_id)
         if kv is None:
-            raise NotFoundError(f"key {request.key_id} is not trusted; see `model trust list`")
+            raise NotFoundError(
+                msg(
+                    "package.key_not_trusted_see",
+                    "key {key_id} is not trusted; see `model trust list`",
+                    key_id=request.key_id,
+                )
+            )
         rec = keys.decode(kv.value)
         at = now_ms()
         audit = {
@@ -268,7 +320,9 @@ class PackageService(Servicer, package_pb2_grpc.PackageServiceServicer):
             ],
         )
         if not res.succeeded:
-            raise ConcurrentChange("the key changed meanwhile; try again")
+            raise ConcurrentChange(
+                msg("package.key_changed_meanwhile_try_2", "the key changed meanwhile; try again")
+            )
         return trusted_key_message(rec)
 
     @rpc

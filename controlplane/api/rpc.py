@@ -43,9 +43,11 @@ from kunlun_common.errors import (
     PermissionRefused,
     TemporaryError,
 )
+from kunlun_common.messages import msg
 from kunlun_common.tls import Identity
 
 if TYPE_CHECKING:
+    from controlplane.api.drain import DrainState
     from controlplane.api.guard import CallGuard
 
 STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -87,6 +89,9 @@ class Servicer:
     guard: CallGuard | None = None
     """Revocation check, certificate inventory and audit (controlplane/api/guard.py); None in unit
     tests that serve a servicer alone."""
+    drain: DrainState | None = None
+    """The replica's drain (controlplane/api/drain.py): once it begins, streams end with UNAVAILABLE
+    so that agents and gateways reconnect to another replica; None in unit tests."""
 
     def method(self, name: str) -> str:
         """The full method name of handler `name`, as PERMISSIONS lists it."""
@@ -154,23 +159,34 @@ def rpc_stream(
 
     @functools.wraps(handler)
     async def call(self: S, request: Req, context: Ctx) -> AsyncIterator[Resp]:
-        guard = self.guard
+        guard, drain = self.guard, self.drain
         cert = await guard.admit(context, self.method(name)) if guard is not None else None
         who = await authorize(context, self.method(name))
+        if drain is not None and drain.begun.is_set():
+            await abort(context, grpc.StatusCode.UNAVAILABLE, drain.message())
         items = handler(self, request, context, who)
         revoked = asyncio.ensure_future(guard.until_revoked(cert)) if guard is not None else None
+        draining = asyncio.ensure_future(drain.begun.wait()) if drain is not None else None
+        if drain is not None:
+            drain.opened()
         nxt: asyncio.Future[Resp] | None = None
         try:
             it = items.__aiter__()
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
-                waiting = {nxt} if revoked is None else {nxt, revoked}
+                waiting = {f for f in (nxt, revoked, draining) if f is not None}
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if not nxt.done():  # the caller's certificate was revoked: end its stream
+                if not nxt.done():
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
+                    if drain is not None and drain.begun.is_set():  # the replica drains: go elsewhere
+                        drain.streams_ended += 1
+                        await abort(context, grpc.StatusCode.UNAVAILABLE, drain.message())
+                    # the caller's certificate was revoked: end its stream
                     await abort(
-                        context, grpc.StatusCode.UNAUTHENTICATED, "the client certificate was revoked"
+                        context,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        msg("auth.revoked_stream", "the client certificate was revoked"),
                     )
                 try:
                     item = nxt.result()
@@ -180,12 +196,16 @@ def rpc_stream(
         except Exception as e:
             await fail(context, e)
         finally:
-            for f in (revoked, nxt):
+            for f in (revoked, draining, nxt):
                 if f is not None and not f.done():
                     f.cancel()
                     await asyncio.gather(f, return_exceptions=True)
-            if isinstance(items, AsyncGenerator):  # the client went away: the handler's cleanup runs now
-                await items.aclose()
+            try:
+                if isinstance(items, AsyncGenerator):  # the client went away: the handler's cleanup runs now
+                    await items.aclose()
+            finally:
+                if drain is not None:
+                    drain.closed()
 
     call.__rpc_method__ = name  # type: ignore[attr-defined]
     return call

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane import keys, telemetry
+from controlplane import keys, paging, telemetry
 from controlplane.api.auth import Ctx
 from controlplane.api.rpc import Servicer, rpc
 from controlplane.nodes import NodeSessions
@@ -32,6 +32,16 @@ class TelemetryService(Servicer, telemetry_pb2_grpc.TelemetryServiceServicer):
         self, request: telemetry_pb2.DeviceMetricsRequest, context: Ctx, who: Identity
     ) -> telemetry_pb2.DeviceMetricsResponse:
         conditions = telemetry.parse_filter(request.filter)  # FilterError is an InvalidInput
+        paging.check_page_size(request.page_size)
+        if request.page_size:
+            rows, nxt, revision = await telemetry.device_metrics_page(self.store, self.sessions, request)
+            return telemetry_pb2.DeviceMetricsResponse(
+                devices=[r for r in rows if telemetry.matches(r, conditions)],
+                total=len(rows),
+                answered_by=self.replica_name,
+                next_page_token=nxt,
+                revision=revision,
+            )
         nodes, instances = await telemetry.cluster_view(self.store, self.sessions)
         rows = telemetry.device_metrics(nodes, telemetry.holders_of(instances))
         return telemetry_pb2.DeviceMetricsResponse(

@@ -7,27 +7,38 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from controlplane import keys
+from controlplane import keys, paging
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc, rpc_stream
 from controlplane.feeds import Feeds, decode_status, overlay
 from controlplane.fencing import node_problems, registered_nodes
 from controlplane.graph import load_nodes
-from controlplane.redact import workload_for
+from controlplane.redact import instances_for, workload_for
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config, to_yaml
 from controlplane.scheduler.rolling import rolling_progress
 from controlplane.store import EtcdStore
 from controlplane.telemetry import PLACED_PHASES, spreads
-from controlplane.workloads import paging, records
+from controlplane.workloads import records
 from controlplane.workloads.dry_run import dry_run_plan
 from controlplane.workloads.package_checks import package_problems
 from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
-from kunlun_common.messages import msg
+from kunlun_common.messages import msg, msg_list
 from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
+
+
+def summary_of(
+    who: Identity, w: workload_pb2.Workload, ii: list[workload_pb2.Instance]
+) -> workload_pb2.WorkloadSummary:
+    """A workload with its instances as `who` may see them (phase and progress from them first:
+    `instances_for` changes the instances in place)."""
+    phase, rolling = records.workload_phase(w, ii), rolling_progress(w, ii)
+    return workload_pb2.WorkloadSummary(
+        workload=workload_for(who, w), instances=instances_for(who, w, ii), phase=phase, rolling=rolling
+    )
 
 
 class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
@@ -81,14 +92,7 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         for kv in kvs:
             w = records.decode_workload(kv)
             ii = insts.get(w.id, [])
-            out.append(
-                workload_pb2.WorkloadSummary(
-                    workload=workload_for(who, w),
-                    instances=ii,
-                    phase=records.workload_phase(w, ii),
-                    rolling=rolling_progress(w, ii),
-                )
-            )
+            out.append(summary_of(who, w, ii))
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
         return workload_pb2.ListWorkloadsResponse(workloads=out, revision=revision)
 
@@ -96,27 +100,21 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         self, size: int, token_text: str, who: Identity
     ) -> workload_pb2.ListWorkloadsResponse:
         token = paging.PageToken.decode(token_text) if token_text else None
-        try:
-            kvs, revision, more = await self.store.get_range(
-                paging.workloads_start(token), paging.workloads_end(), size, token.revision if token else 0
-            )
-        except PermanentError as e:
-            if "compacted" in str(e) or "future revision" in str(e):
-                raise InvalidInput(
-                    "page_token: its revision was compacted away meanwhile; list again from the first page"
-                ) from e
-            raise
-        if token is not None:
-            revision = token.revision  # etcd's header names its current revision, not the one read
+        kvs, revision, more = await paging.read_records(self.store, keys.WORKLOADS, size, token)
         ws = [records.decode_workload(kv) for kv in kvs]
         by_workload: dict[str, list[workload_pb2.Instance]] = {w.id: [] for w in ws}
         if ws:
             (ikvs, _, _), (skvs, _, _) = await asyncio.gather(
-                self.store.get_range(
-                    *paging.instance_range(keys.INSTANCES, ws[0].id, ws[-1].id), 0, revision
+                # instance ids start with their workload's id: those of the page's workloads lie
+                # between its first and its last id
+                paging.read_range(
+                    self.store, *paging.companion_range(keys.INSTANCES, ws[0].id, ws[-1].id), 0, revision
                 ),
-                self.store.get_range(
-                    *paging.instance_range(keys.INSTANCE_STATUS, ws[0].id, ws[-1].id), 0, revision
+                paging.read_range(
+                    self.store,
+                    *paging.companion_range(keys.INSTANCE_STATUS, ws[0].id, ws[-1].id),
+                    0,
+                    revision,
                 ),
             )
             statuses = {keys.last_segment(kv.key): decode_status(kv.value) for kv in skvs}
@@ -130,14 +128,7 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         out = []
         for w in ws:
             ii = sorted(by_workload[w.id], key=lambda i: i.ordinal)
-            out.append(
-                workload_pb2.WorkloadSummary(
-                    workload=workload_for(who, w),
-                    instances=ii,
-                    phase=records.workload_phase(w, ii),
-                    rolling=rolling_progress(w, ii),
-                )
-            )
+            out.append(summary_of(who, w, ii))
         nxt = paging.PageToken(revision, ws[-1].id).encode() if more and ws else ""
         return workload_pb2.ListWorkloadsResponse(workloads=out, next_page_token=nxt, revision=revision)
 
@@ -147,13 +138,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.WorkloadSummary:
         w, _ = await records.resolve(self.store, request.name)
         ii = (await self._instances()).get(w.id, [])
-        summary = workload_pb2.WorkloadSummary(
-            workload=workload_for(who, w),
-            instances=ii,
-            phase=records.workload_phase(w, ii),
-            rolling=rolling_progress(w, ii),
-        )
         placed = [i for i in ii if i.phase in PLACED_PHASES and i.target_devices]
+        summary = summary_of(who, w, ii)
         if placed:
             # the devices' samples as the replicas last wrote them (coarse snapshots, every few seconds)
             spread = spreads(await load_nodes(self.store), placed)[0]
@@ -210,9 +196,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
     ) -> workload_pb2.SchedulerConfigText:
         cfg = parse_scheduler_config(request.yaml, "scheduler_config.yaml")
         if problems := node_problems(await registered_nodes(self.store), cfg.node_not_ready_grace_seconds):
+            # FAILED_PRECONDITION: the grace or the agents must change
             raise PermanentError(
-                "; ".join(problems)
-            )  # FAILED_PRECONDITION: the grace or the agents must change
+                msg_list("scheduler.config.fencing", "{parts}", problems, bullet="", sep="; ")
+            )
         text = to_yaml(cfg)
         await self.store.put(
             keys.SCHEDULER_CONFIG,
@@ -285,4 +272,8 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
                 async for chunk in call:
                     yield workload_pb2.WorkloadLogChunk(lines=list(chunk.lines))
             except grpc.aio.AioRpcError as e:
-                await abort(context, e.code(), f"node {inst.node}: {e.details()}")
+                await abort(
+                    context,
+                    e.code(),
+                    msg("node.error", "node {node}: {details}", node=inst.node, details=e.details()),
+                )

@@ -11,6 +11,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import security_pb2, security_pb2_grpc
+from kunlun_common.i18n import _
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -36,7 +37,9 @@ def since_ms(text: str, now: float | None = None) -> int:
         when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
         raise CliError(
-            f"--since {text!r}: expected a duration such as 30m, 2h or 7d, or a time such as 2026-12-01T04:00:00Z"
+            _(
+                "--since {text!r}: expected a duration such as 30m, 2h or 7d, or a time such as 2026-12-01T04:00:00Z"
+            ).format(text=text)
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)

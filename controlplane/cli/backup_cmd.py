@@ -30,6 +30,7 @@ from controlplane.store.backup import (
     take_backup,
 )
 from controlplane.store.backup_file import BackupHeader, read_backup, write_backup
+from kunlun_common.i18n import _, error_text
 from kunlun_common.pki import ETCD_ADMIN
 
 POLICY = RestorePolicy(
@@ -81,8 +82,9 @@ def admin_target(args: argparse.Namespace, ask_replicas: bool) -> AdminTarget:
     """The etcd endpoints and admin certificate folder from the flags (or the replicas)."""
     if not args.etcd_cert_dir:
         raise CliError(
-            f"--etcd-cert-dir is required: the folder holding etcd-ca.crt and etcd-client/{ETCD_ADMIN}.crt|key "
-            "(the etcd administrator's certificate from `kunlun-cli certs init`), or set KUNLUN_ETCD_CERT_DIR"
+            _(
+                "--etcd-cert-dir is required: the folder holding etcd-ca.crt and etcd-client/{etcd_admin}.crt|key (the etcd administrator's certificate from `kunlun-cli certs init`), or set KUNLUN_ETCD_CERT_DIR"
+            ).format(etcd_admin=ETCD_ADMIN)
         )
     eps = tuple(e.strip() for e in args.etcd_endpoints.split(",") if e.strip())
     if not eps and ask_replicas:
@@ -92,10 +94,16 @@ def admin_target(args: argparse.Namespace, ask_replicas: bool) -> AdminTarget:
         try:
             resp = make_client(args).call(lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest())
         except CliError as e:
-            raise CliError(f"--etcd-endpoints not given and the replicas could not name them: {e}") from None
+            raise CliError(
+                _("--etcd-endpoints not given and the replicas could not name them: {e}").format(
+                    e=error_text(e)
+                )
+            ) from None
         eps = tuple(m.endpoint for m in resp.etcd_members if m.endpoint)
     if not eps:
-        raise CliError("--etcd-endpoints is required (https://HOST:2379,...), or set KUNLUN_ETCD_ENDPOINTS")
+        raise CliError(
+            _("--etcd-endpoints is required (https://HOST:2379,...), or set KUNLUN_ETCD_ENDPOINTS")
+        )
     return AdminTarget(eps, Path(args.etcd_cert_dir), timeout_s=max(args.timeout, 10.0))
 
 
@@ -107,7 +115,13 @@ def progress_printer(verb: str, quiet: bool) -> Progress:
         if quiet or (now - last[0] < 1.0 and done < total):
             return
         last[0] = now
-        print(f"{verb} {done}/{total} keys ({100 * done // max(total, 1)}%)", file=sys.stderr, flush=True)
+        print(
+            _("{verb} {done}/{total} keys ({value}%)").format(
+                verb=verb, done=done, total=total, value=100 * done // max(total, 1)
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
 
     return show
 
@@ -130,9 +144,11 @@ def cluster_backup(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.absolute().parent.is_dir():
         raise CliError(
-            f"{path}: folder {path.absolute().parent} does not exist; create it or name another FILE"
+            _("{path}: folder {parent} does not exist; create it or name another FILE").format(
+                path=path, parent=path.absolute().parent
+            )
         )
-    header, records = asyncio.run(take_backup(target, POLICY, progress_printer("read", args.quiet)))
+    header, records = asyncio.run(take_backup(target, POLICY, progress_printer(_("read"), args.quiet)))
     digest = write_backup(path, header, records)
     size = path.stat().st_size
     if args.output == "json":
@@ -140,8 +156,17 @@ def cluster_backup(args: argparse.Namespace) -> int:
     else:
         left = ", ".join(f"{k} {v}" for k, v in sorted(header.skipped.items())) or "none"
         print(
-            f"backup {path}: {header.keys} keys at revision {header.revision} of etcd cluster "
-            f"{header.cluster_id}, {size} bytes, sha256 {digest}; left out: {left}"
+            _(
+                "backup {path}: {keys} keys at revision {revision} of etcd cluster {cluster_id}, {size} bytes, sha256 {digest}; left out: {left}"
+            ).format(
+                path=path,
+                keys=header.keys,
+                revision=header.revision,
+                cluster_id=header.cluster_id,
+                size=size,
+                digest=digest,
+                left=left,
+            )
         )
     return 0
 
@@ -154,14 +179,22 @@ def cluster_restore(args: argparse.Namespace) -> int:
             print_json({"file": str(path), "valid": True, **header_json(header)})
         else:
             print(
-                f"{path}: valid; {header.keys} keys at revision {header.revision} of etcd cluster "
-                f"{header.cluster_id}, taken {header.taken_at} by kunlun {header.kunlun_version}; "
-                f"{len(restorable(records, POLICY))} would be restored"
+                _(
+                    "{path}: valid; {keys} keys at revision {revision} of etcd cluster {cluster_id}, taken {taken_at} by kunlun {kunlun_version}; {count} would be restored"
+                ).format(
+                    path=path,
+                    keys=header.keys,
+                    revision=header.revision,
+                    cluster_id=header.cluster_id,
+                    taken_at=header.taken_at,
+                    kunlun_version=header.kunlun_version,
+                    count=len(restorable(records, POLICY)),
+                )
             )
         return 0
     target = admin_target(args, ask_replicas=False)
     result = asyncio.run(
-        restore_backup(target, header, records, POLICY, args.force, progress_printer("wrote", args.quiet))
+        restore_backup(target, header, records, POLICY, args.force, progress_printer(_("wrote"), args.quiet))
     )
     if args.output == "json":
         print_json(
@@ -176,9 +209,16 @@ def cluster_restore(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"restored {result.written} keys from {path} (revision {header.revision} of etcd cluster "
-            f"{header.cluster_id}, taken {header.taken_at}) into etcd cluster {result.cluster_id}; "
-            f"{result.left_out} per-process keys left out. Start the replicas now "
-            "(systemctl start kunlun-platform); agents reconnect by themselves"
+            _(
+                "restored {written} keys from {path} (revision {revision} of etcd cluster {cluster_id}, taken {taken_at}) into etcd cluster {cluster_id2}; {left_out} per-process keys left out. Start the replicas now (systemctl start kunlun-platform); agents reconnect by themselves"
+            ).format(
+                written=result.written,
+                path=path,
+                revision=header.revision,
+                cluster_id=header.cluster_id,
+                taken_at=header.taken_at,
+                cluster_id2=result.cluster_id,
+                left_out=result.left_out,
+            )
         )
     return 0

@@ -10,6 +10,7 @@ from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import security_pb2, security_pb2_grpc
 from kunlun_common.errors import ConfigError
+from kunlun_common.i18n import _, error_text
 from kunlun_common.pki import (
     DEFAULT_DAYS,
     PRODUCTION_CRL,
@@ -92,7 +93,9 @@ def host_map(entries: list[str]) -> dict[str, tuple[str, ...]]:
         name, eq, hosts = e.partition("=")
         if not eq or not name.strip() or not _csv(hosts, ()):
             raise ConfigError(
-                f"--host {e!r}: expected NAME=HOST[,HOST...], e.g. replica-1=10.0.0.11,cp1.example"
+                _("--host {e!r}: expected NAME=HOST[,HOST...], e.g. replica-1=10.0.0.11,cp1.example").format(
+                    e=e
+                )
             )
         out[name.strip()] = _csv(hosts, ())
     return out
@@ -110,7 +113,9 @@ def certs_init(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json({"items": [str(p) for p in written]})
     else:
-        print(f"certificates in {args.dir}: CA plus {len(written)} certificates")
+        print(
+            _("certificates in {dir}: CA plus {count} certificates").format(dir=args.dir, count=len(written))
+        )
     return 0
 
 
@@ -120,7 +125,7 @@ def certs_issue(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json({"cert": str(paths.cert), "key": str(paths.key), "ca": str(paths.ca)})
     else:
-        print(f"issued {paths.cert}")
+        print(_("issued {cert}").format(cert=paths.cert))
     return 0
 
 
@@ -142,12 +147,19 @@ def resolve_target(client: Client, target: str, cert_dir: str | None) -> tuple[s
         lambda s: s.ListCertificates,
         security_pb2.ListCertificatesRequest(),
     ).certificates
-    role, _, name = target.rpartition("/")
+    role, _sep, name = target.rpartition("/")
     found = {(c.serial, f"{c.role}/{c.name}") for c in certs if c.name == name and role in ("", c.role)}
     if len(found) != 1:
         raise ConfigError(
-            f"{target!r}: {'no' if not found else 'more than one'} certificate of that name seen in use; "
-            "give its serial, or the certificate folder with --dir"
+            (
+                _(
+                    "{target!r}: no certificate of that name seen in use; give its serial, or the certificate folder with --dir"
+                )
+                if not found
+                else _(
+                    "{target!r}: more than one certificate of that name seen in use; give its serial, or the certificate folder with --dir"
+                )
+            ).format(target=target)
         )
     return next(iter(found))
 
@@ -176,11 +188,16 @@ def certs_revoke(args: argparse.Namespace) -> int:
             {"serial": rev.serial, "name": rev.name, "by": rev.by, "at_unix_ms": rev.at_unix_ms, "crl": crl}
         )
         return 0
-    print(f"revoked {rev.name or 'certificate'} serial {rev.serial} (replicas refuse it now)")
+    print(
+        _("revoked {name} serial {serial} (replicas refuse it now)").format(name=rev.name, serial=rev.serial)
+        if rev.name
+        else _("revoked certificate serial {serial} (replicas refuse it now)").format(serial=rev.serial)
+    )
     if crl:
         print(
-            f"wrote {crl}: copy it to every etcd member's --client-crl-file ({PRODUCTION_CRL} on hosts "
-            "installed with kunlun-installer; etcd reads it on each new connection, no restart)"
+            _(
+                "wrote {crl}: copy it to every etcd member's --client-crl-file ({production_crl} on hosts installed with kunlun-installer; etcd reads it on each new connection, no restart)"
+            ).format(crl=crl, production_crl=PRODUCTION_CRL)
         )
     return 0
 
@@ -198,7 +215,9 @@ def _revoked_serials(args: argparse.Namespace) -> set[int] | None:
         ).revocations
     except (CliError, ConfigError) as e:
         print(
-            f"kunlun-cli: note: revocation list not read ({e}); revoked certificates in DIR are renewed too",
+            _(
+                "kunlun-cli: note: revocation list not read ({e}); revoked certificates in DIR are renewed too"
+            ).format(e=error_text(e)),
             file=sys.stderr,
         )
         return None
@@ -210,7 +229,7 @@ def certs_rotate(args: argparse.Namespace) -> int:
     todo = [(p.parent.name, p.stem) for p in chosen] if chosen else certificates(args.dir)
     if not todo:
         raise ConfigError(
-            f"no certificates in {args.dir}; create them with `kunlun-cli certs init {args.dir}`"
+            _("no certificates in {dir}; create them with `kunlun-cli certs init {dir}`").format(dir=args.dir)
         )
     revoked = _revoked_serials(args) or set()
     done, skipped = [], []
@@ -237,9 +256,10 @@ def certs_rotate(args: argparse.Namespace) -> int:
         [[i["role"], i["name"], i["new_serial"], i["not_after"][:16]] for i in items],
     )
     for name in skipped:
-        print(f"skipped {name}: revoked (issue a new identity instead)")
+        print(_("skipped {name}: revoked (issue a new identity instead)").format(name=name))
     print(
-        "copy each component's new files to its host, then reload it: `kill -HUP PID` or `systemctl reload "
-        "kunlun-...` (replicas, agents, gateways re-read their certificate; etcd does on each connection)"
+        _(
+            "copy each component's new files to its host, then reload it: `kill -HUP PID` or `systemctl reload kunlun-...` (replicas, agents, gateways re-read their certificate; etcd does on each connection)"
+        )
     )
     return 0

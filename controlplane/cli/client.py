@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +20,8 @@ from kunlun_common.tls import TlsMaterial, channel_credentials, load_tls
 T = TypeVar("T")
 S = TypeVar("S")
 _FAILOVER = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+PAGE_SIZE = 500
+"""Items the CLI asks for per page of a List call (a replica also cuts a page at 1 MiB)."""
 
 
 class CliError(KunlunError):
@@ -102,34 +105,105 @@ class Client:
         """Call a WorkloadService method on the first replica that answers."""
         return self.call_stub(workload_pb2_grpc.WorkloadServiceStub, fn, request)
 
-    def all_workloads(self, page_size: int = 500) -> list[workload_pb2.WorkloadSummary]:
-        """Every workload, oldest first, fetched in pages read at one revision (a replica from
-        before paging answers everything in its first reply, which ends the loop too)."""
-        out: list[workload_pb2.WorkloadSummary] = []
-        token = ""
-        for _page in range(100_000):  # bounded: a page always moves forward
-            resp = self.workloads(
-                lambda s: s.ListWorkloads,
-                workload_pb2.ListWorkloadsRequest(page_size=page_size, page_token=token),
-            )
-            out.extend(resp.workloads)
-            token = resp.next_page_token
-            if not token:
-                break
+    def all_workloads(self, page_size: int = PAGE_SIZE) -> list[workload_pb2.WorkloadSummary]:
+        """Every workload, oldest first, fetched in pages read at one revision."""
+        out: list[workload_pb2.WorkloadSummary] = self.pages(
+            workload_pb2_grpc.WorkloadServiceStub,
+            lambda s: s.ListWorkloads,
+            workload_pb2.ListWorkloadsRequest(),
+            "workloads",
+            page_size,
+        )
         out.sort(key=lambda s: s.workload.created_at_unix_ms)
         return out
 
+    def iter_pages(
+        self,
+        stub_cls: Callable[[grpc.Channel], S],
+        fn: Callable[[S], Callable[..., Any]],
+        request: Any,
+        field: str,
+        page_size: int = PAGE_SIZE,
+    ) -> Iterator[Any]:
+        """The items (`field` of each answer) of a paged List call, page after page (`responses`)."""
+        for resp in self.responses(stub_cls, fn, request, field, page_size):
+            yield from getattr(resp, field)
+
+    def responses(
+        self,
+        stub_cls: Callable[[grpc.Channel], S],
+        fn: Callable[[S], Callable[..., Any]],
+        request: Any,
+        field: str,
+        page_size: int = PAGE_SIZE,
+    ) -> Iterator[Any]:
+        """The answers of a paged List call (of `field` items), page after page: every page is
+        read at the first page's revision (controlplane/paging.py), whichever replica answers it.
+        A replica from before paging answers everything in its first reply, with no token, which
+        ends the loop too."""
+        request.page_size = page_size
+        request.page_token = ""
+        channels: dict[str, grpc.Channel] = {}  # one connection per replica for all the pages
+        try:
+            for _page in range(1_000_000):  # bounded: every page moves forward
+                resp = self.call_stub(stub_cls, fn, request, channels)
+                yield resp
+                request.page_token = resp.next_page_token
+                if not request.page_token:
+                    return
+            raise CliError(_("{field}: the listing did not end after a million pages").format(field=field))
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def pages(
+        self,
+        stub_cls: Callable[[grpc.Channel], S],
+        fn: Callable[[S], Callable[..., Any]],
+        request: Any,
+        field: str,
+        page_size: int = PAGE_SIZE,
+    ) -> list[Any]:
+        """Every item of a paged List call (see `iter_pages`), in the server's key order."""
+        return list(self.iter_pages(stub_cls, fn, request, field, page_size))
+
+    def cluster_pages(
+        self,
+        fn: Callable[[cluster_pb2_grpc.ClusterServiceStub], Callable[..., Any]],
+        request: Any,
+        field: str,
+    ) -> list[Any]:
+        """Every item of a paged ClusterService List call."""
+        return self.pages(cluster_pb2_grpc.ClusterServiceStub, fn, request, field)
+
+    def _channel_for(
+        self, ep: str, channels: dict[str, grpc.Channel] | None
+    ) -> contextlib.AbstractContextManager[grpc.Channel]:
+        """A new channel (closed after the call), or the kept one for `ep` when `channels` is given
+        (the caller checked the replica's certificate, `refused`)."""
+        if channels is None:
+            return grpc.secure_channel(ep, self.creds)
+        if ep not in channels:
+            channels[ep] = grpc.secure_channel(ep, self.creds)
+        return contextlib.nullcontext(channels[ep])
+
     def call_stub(
-        self, stub_cls: Callable[[grpc.Channel], S], fn: Callable[[S], Callable[..., T]], request: Any
+        self,
+        stub_cls: Callable[[grpc.Channel], S],
+        fn: Callable[[S], Callable[..., T]],
+        request: Any,
+        channels: dict[str, grpc.Channel] | None = None,
     ) -> T:
-        """Call a method on the first replica that answers; fail over on unavailable or timeout."""
+        """Call a method on the first replica that answers; fail over on unavailable or timeout.
+        `channels`: connections to reuse (kept open by the caller), else one per call."""
         errors: list[str] = []
         for ep in self.cfg.endpoints:
-            why = self.refused(ep)
-            if why:
-                errors.append(f"{ep}: {_short(why)}")
-                continue
-            with grpc.secure_channel(ep, self.creds) as ch:
+            if channels is None or ep not in channels:  # a kept channel's replica was checked
+                why = self.refused(ep)
+                if why:
+                    errors.append(f"{ep}: {_short(why)}")
+                    continue
+            with self._channel_for(ep, channels) as ch:
                 stub = stub_cls(ch)
                 try:
                     result = fn(stub)(request, timeout=self.timeout_s)

@@ -14,6 +14,7 @@ from controlplane.cli.client import Client
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import member_json, replica_json
 from kunlun_common.api import cluster_pb2, security_pb2, security_pb2_grpc
+from kunlun_common.i18n import _
 
 EXPIRY_WARNING_DAYS = 30
 """`cluster status` warns about any certificate in use that expires within this many days."""
@@ -24,10 +25,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     csub = cl.add_subparsers(dest="cmd", required=True)
     st = csub.add_parser("status", help="replicas, leader and etcd member health", parents=[common])
     st.set_defaults(handler=cluster_status)
-    from controlplane.cli import backup_cmd, etcd_cmd
+    from controlplane.cli import backup_cmd, etcd_cmd, replica_cmd
 
     backup_cmd.register(csub, common)
     etcd_cmd.register(csub, common)
+    replica_cmd.register(csub, common)
 
 
 def probe_health(client: Client, address: str) -> bool:
@@ -158,5 +160,5 @@ def cluster_status(args: argparse.Namespace) -> int:
     if warnings:
         print()
         for w in warnings:
-            print(f"WARNING: {w}")
+            print(_("WARNING: {w}").format(w=w))
     return 0

@@ -14,6 +14,7 @@ from typing import Any
 
 from controlplane.cli.model_cmd import default_trust_dir
 from controlplane.cli.output import print_json
+from kunlun_common.i18n import _, error_text
 from kunlun_common.modelpkg import PackageError, TrustedKeys, load_private_key
 from kunlun_common.modelpkg.detached import read_verified, sign_file
 
@@ -41,12 +42,12 @@ def declaration_sign(args: argparse.Namespace) -> int:
     try:
         out = sign_file(Path(args.file), key)
     except PackageError as e:
-        print(f"kunlun-cli: {e}", file=sys.stderr)
+        print(_("kunlun-cli: {e}").format(e=error_text(e)), file=sys.stderr)
         return 1
     if args.output == "json":
         print_json({"file": args.file, "signature": str(out)})
     else:
-        print(f"wrote {out}")
+        print(_("wrote {out}").format(out=out))
     return 0
 
 
@@ -54,12 +55,12 @@ def declaration_verify(args: argparse.Namespace) -> int:
     trust_dir = Path(args.trust_dir) if args.trust_dir else default_trust_dir()
     trusted = TrustedKeys.load([Path(k) for k in args.trusted_key], [trust_dir])
     try:
-        _, kid = read_verified(Path(args.file), trusted)
+        _data, kid = read_verified(Path(args.file), trusted)
     except PackageError as e:
-        print(f"kunlun-cli: {e}", file=sys.stderr)
+        print(_("kunlun-cli: {e}").format(e=error_text(e)), file=sys.stderr)
         return e.exit_code
     if args.output == "json":
         print_json({"file": args.file, "ok": True, "signed_by": kid})
     else:
-        print(f"OK {args.file}: signed by trusted key {kid}")
+        print(_("OK {file}: signed by trusted key {kid}").format(file=args.file, kid=kid))
     return 0

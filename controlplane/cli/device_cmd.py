@@ -28,11 +28,13 @@ def device_list(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
     client = make_client(args)
-    resp = client.call(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest(node=args.node or ""))
+    devices = client.cluster_pages(
+        lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest(node=args.node or ""), "devices"
+    )
     if args.output == "json":
-        print_json({"items": [device_json(d) for d in resp.devices]})
+        print_json({"items": [device_json(d) for d in devices]})
     else:
-        print_table(DEVICE_HEADERS, [device_row(d) for d in resp.devices])
+        print_table(DEVICE_HEADERS, [device_row(d) for d in devices])
     return 0
 
 

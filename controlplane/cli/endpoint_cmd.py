@@ -14,6 +14,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc
+from kunlun_common.i18n import _, error_text
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -56,12 +57,16 @@ def _read(path: str, what: str, as_json: bool) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise CliError(f"{what}: cannot read {path} ({e.strerror})") from e
+        raise CliError(
+            _("{what}: cannot read {path} ({strerror})").format(what=what, path=path, strerror=e.strerror)
+        ) from e
     if as_json:
         try:
             json.loads(text)
         except ValueError as e:
-            raise CliError(f"{what}: {path} is not valid JSON ({e})") from e
+            raise CliError(
+                _("{what}: {path} is not valid JSON ({e})").format(what=what, path=path, e=error_text(e))
+            ) from e
     return text
 
 
@@ -95,7 +100,11 @@ def create(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(endpoint_json(got))
     else:
-        print(f"endpoint {got.name} version {got.version}: POST /v1/endpoints/{got.name} on every gateway")
+        print(
+            _("endpoint {name} version {version}: POST /v1/endpoints/{name} on every gateway").format(
+                name=got.name, version=got.version
+            )
+        )
     return 0
 
 
@@ -104,11 +113,19 @@ def describe(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(d)
         return 0
-    print(f"Name:      {d['name']}\nWorkload:  {d['workload']}\nVersion:   {d['version']}")
-    print(f"Path:      POST {d['path']}  (OpenAPI: GET {d['path']}/openapi.json)")
-    print(f"Updated:   by {d['updated_by']}")
-    print(f"Prompt:    {d['prompt_template'] or '(the input as JSON)'}")
-    print(f"Input:     {json.dumps(d['input_schema'])}\nOutput:    {json.dumps(d['output_schema'])}")
+    print(
+        _("Name:      {name}\nWorkload:  {workload}\nVersion:   {version}").format(
+            name=d["name"], workload=d["workload"], version=d["version"]
+        )
+    )
+    print(_("Path:      POST {path}  (OpenAPI: GET {path}/openapi.json)").format(path=d["path"]))
+    print(_("Updated:   by {updated_by}").format(updated_by=d["updated_by"]))
+    print(_("Prompt:    {value}").format(value=d["prompt_template"] or _("(the input as JSON)")))
+    print(
+        _("Input:     {dumps}\nOutput:    {dumps2}").format(
+            dumps=json.dumps(d["input_schema"]), dumps2=json.dumps(d["output_schema"])
+        )
+    )
     return 0
 
 
@@ -117,12 +134,19 @@ def delete(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(endpoint_json(got, schemas=False))
     else:
-        print(f"endpoint {got.name} deleted")
+        print(_("endpoint {name} deleted").format(name=got.name))
     return 0
 
 
 def list_endpoints(args: argparse.Namespace) -> int:
-    eps = _call(args, "ListEndpoints", gateway_pb2.ListRequestEndpointsRequest()).endpoints
+    from controlplane.cli.main import make_client
+
+    eps = make_client(args).pages(
+        gateway_pb2_grpc.EndpointServiceStub,
+        lambda s: s.ListEndpoints,
+        gateway_pb2.ListRequestEndpointsRequest(),
+        "endpoints",
+    )
     if args.output == "json":
         print_json({"items": [endpoint_json(e, schemas=False) for e in eps]})
         return 0

@@ -1,5 +1,6 @@
-"""`kunlun-cli cluster etcd member list|add|remove`: etcd membership, with the administrator's
-`kunlun-admin` etcd certificate (see controlplane/store/members.py for why not through replicas)."""
+"""`kunlun-cli cluster etcd member list|add|remove`: etcd membership, and `cluster etcd auth enable`:
+etcd's own RBAC, both with the administrator's `kunlun-admin` etcd certificate (see
+controlplane/store/members.py for why not through replicas)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import argparse
 import asyncio
 from typing import Any
 
+import grpc
+
 from controlplane.cli.backup_cmd import add_etcd_args, admin_target
+from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
+from controlplane.store.admin import CLUSTER_PREFIX, enable_auth_async
 from controlplane.store.members import Member, add_member, list_members, remove_member
 from kunlun_common.errors import InvalidInput
+from kunlun_common.i18n import _
 from kunlun_common.names import valid_node_name
 
 
@@ -33,6 +39,16 @@ def register(csub: Any, common: argparse.ArgumentParser) -> None:
     r.add_argument("member", help="name or hex id (see `member list`)")
     add_etcd_args(r)
     r.set_defaults(handler=member_remove)
+    au = esub.add_parser("auth", help="etcd's own authentication (RBAC)", parents=[common])
+    ausub = au.add_subparsers(dest="auth_cmd", required=True)
+    en = ausub.add_parser(
+        "enable",
+        help="create the etcd users and roles (kunlun: read/write /kunlun/ only) and turn etcd "
+        "authentication on; idempotent (once, after the members first form a cluster)",
+        parents=[common],
+    )
+    add_etcd_args(en)
+    en.set_defaults(handler=auth_enable)
 
 
 def member_json(m: Member) -> dict[str, Any]:
@@ -85,7 +101,11 @@ def initial_cluster(new: Member, members: list[Member]) -> str:
 
 def member_add(args: argparse.Namespace) -> int:
     if not valid_node_name(args.name):
-        raise InvalidInput(f"name: {args.name!r} is not a valid member name (lowercase letters, digits, '-')")
+        raise InvalidInput(
+            _("name: {name!r} is not a valid member name (lowercase letters, digits, '-')").format(
+                name=args.name
+            )
+        )
     urls = tuple(u.strip() for u in args.peer_urls.split(",") if u.strip())
     new, members = asyncio.run(add_member(admin_target(args, ask_replicas=True), args.name, urls))
     settings = {
@@ -96,7 +116,11 @@ def member_add(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json({"member": member_json(new), "settings": settings})
         return 0
-    print(f"added etcd member {new.name} (id {new.id_hex}); start it with these settings in its etcd.env:")
+    print(
+        _("added etcd member {name} (id {id_hex}); start it with these settings in its etcd.env:").format(
+            name=new.name, id_hex=new.id_hex
+        )
+    )
     for k, v in settings.items():
         print(f"{k}={v}")
     return 0
@@ -108,7 +132,37 @@ def member_remove(args: argparse.Namespace) -> int:
         print_json({"removed": member_json(gone), "items": [member_json(m) for m in left]})
         return 0
     print(
-        f"removed etcd member {gone.name or '(not started)'} (id {gone.id_hex}); {len(left)} members left: "
-        + ", ".join(m.name or m.id_hex for m in left)
+        _("removed etcd member {value} (id {id_hex}); {count} members left: {items}").format(
+            value=gone.name or _("(not started)"),
+            id_hex=gone.id_hex,
+            count=len(left),
+            items=", ".join(m.name or m.id_hex for m in left),
+        )
     )
     return 0
+
+
+def auth_enable(args: argparse.Namespace) -> int:
+    """Through the first member that answers (etcd replicates the users, roles and the switch)."""
+    target = admin_target(args, ask_replicas=False)
+    last: Exception | None = None
+    for ep in target.endpoints:
+        try:
+            asyncio.run(enable_auth_async(ep, target.cert_dir))
+        except grpc.aio.AioRpcError as e:
+            last = e
+            continue
+        if args.output == "json":
+            print_json({"enabled": True, "endpoint": ep, "prefix": CLUSTER_PREFIX})
+        else:
+            print(
+                _("etcd authentication enabled through {endpoint}: user kunlun may use {prefix} only").format(
+                    endpoint=ep, prefix=CLUSTER_PREFIX
+                )
+            )
+        return 0
+    raise CliError(
+        _("no etcd member accepted the change ({endpoints}): {error}").format(
+            endpoints=", ".join(target.endpoints), error=last
+        )
+    )

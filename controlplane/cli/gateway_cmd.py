@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import gateway_pb2, gateway_pb2_grpc
+from kunlun_common.i18n import _
 from kunlun_common.traffic import ROUTING_POLICIES as POLICIES
 
 T = TypeVar("T")
@@ -50,6 +51,15 @@ def _call(args: argparse.Namespace, fn: Callable[[Any], Callable[..., T]], reque
     return make_client(args).call_stub(gateway_pb2_grpc.GatewayServiceStub, fn, request)
 
 
+def _pages(
+    args: argparse.Namespace, fn: Callable[[Any], Callable[..., Any]], request: Any, field: str
+) -> list[Any]:
+    """Every item of a paged GatewayService List call."""
+    from controlplane.cli.main import make_client
+
+    return make_client(args).pages(gateway_pb2_grpc.GatewayServiceStub, fn, request, field)
+
+
 def _age(ms: int) -> str:
     if not ms:
         return ""
@@ -77,15 +87,18 @@ def keys_create(args: argparse.Namespace) -> int:
         return 0
     print_table(["ID", "NAME", "KEY"], [[resp.key.id, resp.key.name, resp.secret]])
     print(
-        "\nstore the key now: it is not shown again (clients send `Authorization: Bearer <key>`)",
+        _("\nstore the key now: it is not shown again (clients send `Authorization: Bearer <key>`)"),
         file=sys.stderr,
     )
     return 0
 
 
 def keys_list(args: argparse.Namespace) -> int:
-    resp = _call(args, lambda s: s.ListApiKeys, gateway_pb2.ListApiKeysRequest(include_revoked=args.all))
-    items = [key_json(k) for k in resp.keys]
+    found = _pages(
+        args, lambda s: s.ListApiKeys, gateway_pb2.ListApiKeysRequest(include_revoked=args.all), "keys"
+    )
+    found.sort(key=lambda k: (k.created_at_unix_ms, k.id))
+    items = [key_json(k) for k in found]
     if args.output == "json":
         print_json({"items": items})
         return 0
@@ -111,7 +124,7 @@ def keys_revoke(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(key_json(resp.key))
         return 0
-    print(f"API key {resp.key.id} ({resp.key.name}) revoked")
+    print(_("API key {id} ({name}) revoked").format(id=resp.key.id, name=resp.key.name))
     return 0
 
 
@@ -139,13 +152,19 @@ def policy_set(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(policy_json(resp))
         return 0
-    print(f"workload {resp.workload}: routing policy {resp.policy}")
+    print(
+        _("workload {workload}: routing policy {policy}").format(workload=resp.workload, policy=resp.policy)
+    )
     return 0
 
 
 def policy_list(args: argparse.Namespace) -> int:
-    resp = _call(args, lambda s: s.ListRoutingPolicies, gateway_pb2.ListRoutingPoliciesRequest())
-    items = [policy_json(p) for p in resp.policies]
+    items = [
+        policy_json(p)
+        for p in _pages(
+            args, lambda s: s.ListRoutingPolicies, gateway_pb2.ListRoutingPoliciesRequest(), "policies"
+        )
+    ]
     if args.output == "json":
         print_json({"items": items})
         return 0
@@ -180,19 +199,24 @@ def gateway_json(g: gateway_pb2.GatewayInfo) -> dict[str, Any]:
 def live_gateways(client: Client) -> list[dict[str, Any]]:
     """Gateways with a live registration, for `cluster status` ([] if the replicas predate them)."""
     try:
-        resp = client.call_stub(
-            gateway_pb2_grpc.GatewayServiceStub, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest()
+        found = client.pages(
+            gateway_pb2_grpc.GatewayServiceStub,
+            lambda s: s.ListGateways,
+            gateway_pb2.ListGatewaysRequest(),
+            "gateways",
         )
     except CliError as e:
         if "unimplemented" in str(e):
             return []
         raise
-    return [gateway_json(g) for g in resp.gateways]
+    return [gateway_json(g) for g in found]
 
 
 def gateways_list(args: argparse.Namespace) -> int:
-    resp = _call(args, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest())
-    items = [gateway_json(g) for g in resp.gateways]
+    items = [
+        gateway_json(g)
+        for g in _pages(args, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest(), "gateways")
+    ]
     if args.output == "json":
         print_json({"items": items})
         return 0

@@ -32,7 +32,7 @@ from controlplane.cli.config import default_path, load_client_config
 from controlplane.cli.localize import localized
 from controlplane.cli.verify import command as verify_cmd
 from kunlun_common.errors import ConfigError, KunlunError
-from kunlun_common.i18n import _, localize
+from kunlun_common.i18n import _, error_text
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = handler(args)
     except (CliError, KunlunError) as e:
-        text = str(e) if e.localizable is None else localize(e.localizable)
-        print(f"kunlun-cli: {text}", file=sys.stderr)
+        print(_("kunlun-cli: {text}").format(text=error_text(e)), file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130

@@ -16,6 +16,7 @@ from typing import Any
 
 from controlplane.cli.config import default_path
 from controlplane.cli.output import print_json
+from kunlun_common.i18n import _, error_text
 from kunlun_common.modelpkg import (
     EXIT_OK,
     Head,
@@ -112,8 +113,16 @@ def model_keygen(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json({"key_id": kid, "private_key": str(priv), "public_key": str(pub)})
     else:
-        print(f"key id       {kid}\nprivate key  {priv}  (keep it secret; sign with --sign-key)")
-        print(f"public key   {pub}  (give it to verifiers: --trusted-key, or `model trust add` in a cluster)")
+        print(
+            _("key id       {kid}\nprivate key  {priv}  (keep it secret; sign with --sign-key)").format(
+                kid=kid, priv=priv
+            )
+        )
+        print(
+            _(
+                "public key   {pub}  (give it to verifiers: --trusted-key, or `model trust add` in a cluster)"
+            ).format(pub=pub)
+        )
     return 0
 
 
@@ -136,22 +145,30 @@ def model_pack(args: argparse.Namespace) -> int:
     try:
         res = pack(opts, key, _Progress(args.quiet))
     except PackageError as e:
-        print(f"kunlun-cli: {e}", file=sys.stderr)
+        print(_("kunlun-cli: {e}").format(e=error_text(e)), file=sys.stderr)
         return e.exit_code
     if args.output == "json":
         print_json(
             {"package": str(res.path), "digest": res.digest, "key_id": res.key_id, **_summary(res.manifest)}
         )
     else:
-        print(f"wrote {res.path}  {res.manifest.name}@{res.digest}")
-        print(f"signed by {res.key_id}" if res.key_id else "UNSIGNED (pass --sign-key to sign)")
+        print(
+            _("wrote {path}  {name}@{digest}").format(
+                path=res.path, name=res.manifest.name, digest=res.digest
+            )
+        )
+        print(
+            _("signed by {key_id}").format(key_id=res.key_id)
+            if res.key_id
+            else _("UNSIGNED (pass --sign-key to sign)")
+        )
     return 0
 
 
 def model_verify(args: argparse.Namespace) -> int:
     path = Path(args.package)
     if not path.is_file():
-        print(f"kunlun-cli: {path}: no such file", file=sys.stderr)
+        print(_("kunlun-cli: {path}: no such file").format(path=path), file=sys.stderr)
         return 1
     trust_dir = Path(args.trust_dir) if args.trust_dir else default_trust_dir()
     trusted = TrustedKeys.load([Path(k) for k in args.trusted_key], [trust_dir])
@@ -169,7 +186,7 @@ def model_verify(args: argparse.Namespace) -> int:
             print_json(
                 {"ok": False, "exit_code": e.exit_code, "error": str(e), "file": getattr(e, "path", None)}
             )
-        print(f"kunlun-cli: {path}: {e}", file=sys.stderr)
+        print(_("kunlun-cli: {path}: {e}").format(path=path, e=error_text(e)), file=sys.stderr)
         return e.exit_code
     secs = time.monotonic() - t0
     m = v.head.manifest
@@ -188,7 +205,14 @@ def model_verify(args: argparse.Namespace) -> int:
         who = f"signed by trusted key {v.key_id}" if v.key_id else "UNSIGNED (allowed by --allow-unsigned)"
         rate = v.bytes_checked / secs / 1e6 if secs > 0 else 0.0
         print(
-            f"OK {m.name}@{v.head.digest}: {who}; {len(m.files)} files, {v.bytes_checked} bytes ({rate:.0f} MB/s)"
+            _("OK {name}@{digest}: {who}; {count} files, {bytes_checked} bytes ({rate:.0f} MB/s)").format(
+                name=m.name,
+                digest=v.head.digest,
+                who=who,
+                count=len(m.files),
+                bytes_checked=v.bytes_checked,
+                rate=rate,
+            )
         )
     return EXIT_OK
 
@@ -213,7 +237,7 @@ def model_inspect(args: argparse.Namespace) -> int:
     try:
         head: Head = read_head(Path(args.package))
     except PackageError as e:
-        print(f"kunlun-cli: {args.package}: {e}", file=sys.stderr)
+        print(_("kunlun-cli: {package}: {e}").format(package=args.package, e=error_text(e)), file=sys.stderr)
         return e.exit_code
     m = head.manifest
     doc = {

@@ -10,7 +10,8 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import node_json
-from kunlun_common.api import cluster_pb2, workload_pb2
+from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2
+from kunlun_common.i18n import _
 from kunlun_common.states import InstancePhase
 
 
@@ -48,8 +49,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def node_list(args: argparse.Namespace) -> int:
     client = make_client(args)
-    resp = client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest())
-    items = [node_json(n) for n in resp.nodes]
+    items = [
+        node_json(n)
+        for n in client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
+    ]
     if args.output == "json":
         print_json({"items": items})
     else:
@@ -73,10 +76,14 @@ def node_list(args: argparse.Namespace) -> int:
 
 def node_describe(args: argparse.Namespace) -> int:
     client = make_client(args)
-    resp = client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest())
-    node = next((n for n in resp.nodes if n.name == args.node), None)
+    listed = client.iter_pages(
+        cluster_pb2_grpc.ClusterServiceStub, lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes"
+    )
+    node = next((n for n in listed if n.name == args.node), None)
     if node is None:
-        raise CliError(f"node {args.node!r} is not registered; see `kunlun-cli node list`")
+        raise CliError(
+            _("node {node!r} is not registered; see `kunlun-cli node list`").format(node=args.node)
+        )
     d = node_json(node)
     d["protections"] = list(node.protections)
     d["note"] = node.note
@@ -119,9 +126,17 @@ def node_op(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"node {resp.node} {'cordoned' if resp.cordoned else 'uncordoned'}"
-            + (", drained" if resp.draining else "")
+            (
+                (_("node {node} cordoned, drained") if resp.draining else _("node {node} cordoned"))
+                if resp.cordoned
+                else (_("node {node} uncordoned, drained") if resp.draining else _("node {node} uncordoned"))
+            ).format(node=resp.node)
         )
         for s in stuck:
-            print(f"  cannot move {s['instance']} ({s['workload']}): {s['reason']}", file=sys.stdout)
+            print(
+                _("  cannot move {instance} ({workload}): {reason}").format(
+                    instance=s["instance"], workload=s["workload"], reason=s["reason"]
+                ),
+                file=sys.stdout,
+            )
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import agent_pb2, agent_pb2_grpc
+from kunlun_common.i18n import _
 
 HEADERS = ("TIME", "EVENT", "INSTANCE", "PID", "DEVICES", "CAUSE")
 
@@ -46,7 +47,7 @@ def node_engines(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
     if args.tail < 0:
-        raise CliError("--tail: expected a number >= 0, found " + str(args.tail))
+        raise CliError(_("--tail: expected a number >= 0, found {tail}").format(tail=str(args.tail)))
     client = make_client(args)
     resp = client.call_stub(
         agent_pb2_grpc.LedgerServiceStub,

@@ -10,6 +10,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc
+from kunlun_common.i18n import _
 from kunlun_common.states import RolloutPhase
 
 
@@ -66,6 +67,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     ):
         p = rs.add_parser(name, help=helptext, parents=[common])
         p.add_argument("workload")
+        if name == "status":
+            p.add_argument(
+                "--live",
+                action="store_true",
+                help="also analyse the current step now, with the gateways' counters so far",
+            )
         p.set_defaults(handler=fn)
     ls = rs.add_parser("list", help="every rollout", parents=[common])
     ls.set_defaults(handler=list_rollouts)
@@ -74,14 +81,18 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 def _pct(text: str, what: str) -> int:
     m = re.fullmatch(r"\s*(\d{1,3})\s*%?\s*", text)
     if not m or not 0 < int(m[1]) <= 100:
-        raise CliError(f"{what}: expected a share like 10% (1..100), found {text!r}")
+        raise CliError(
+            _("{what}: expected a share like 10% (1..100), found {text!r}").format(what=what, text=text)
+        )
     return int(m[1])
 
 
 def _seconds(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*(s|m|h)?\s*", text)
     if not m:
-        raise CliError(f"--interval: expected a duration like 30s, 2m or 1h, found {text!r}")
+        raise CliError(
+            _("--interval: expected a duration like 30s, 2m or 1h, found {text!r}").format(text=text)
+        )
     return int(m[1]) * {"s": 1, "m": 60, "h": 3600, None: 1}[m[2]]
 
 
@@ -111,6 +122,7 @@ def rollout_json(r: rollout_pb2.Rollout) -> dict[str, Any]:
             "min_requests": r.spec.min_requests if r.spec.HasField("min_requests") else None,
         },
         "analysis": analysis_json(r.last_analysis) if r.HasField("last_analysis") else None,
+        "live_analysis": analysis_json(r.live_analysis) if r.HasField("live_analysis") else None,
         "reason": r.reason,
         "created_by": r.created_by,
         "created_at_unix_ms": r.created_at_unix_ms,
@@ -145,7 +157,11 @@ def _show(args: argparse.Namespace, r: rollout_pb2.Rollout, verb: str) -> int:
     if args.output == "json":
         print_json(rollout_json(r))
     else:
-        print(f"rollout of {r.workload} {verb}: {r.phase}, canary {r.spec.model} at {r.weight_pct}%")
+        print(
+            _("rollout of {workload} {verb}: {phase}, canary {model} at {weight_pct}%").format(
+                workload=r.workload, verb=verb, phase=r.phase, model=r.spec.model, weight_pct=r.weight_pct
+            )
+        )
     return 0
 
 
@@ -164,14 +180,16 @@ def create(args: argparse.Namespace) -> int:
         value = getattr(args, field)
         if value is not None:
             setattr(spec, field, value)
-    return _show(args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), "created")
+    return _show(
+        args, _call(args, "CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec)), _("created")
+    )
 
 
 def promote(args: argparse.Namespace) -> int:
     return _show(
         args,
         _call(args, "PromoteRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
-        "promotion requested",
+        _("promotion requested"),
     )
 
 
@@ -179,54 +197,95 @@ def abort(args: argparse.Namespace) -> int:
     return _show(
         args,
         _call(args, "AbortRollout", rollout_pb2.RolloutRequest(workload=args.workload)),
-        "abort requested",
+        _("abort requested"),
     )
 
 
 def status(args: argparse.Namespace) -> int:
-    r = _call(args, "GetRollout", rollout_pb2.RolloutRequest(workload=args.workload))
+    r = _call(
+        args,
+        "GetRollout",
+        rollout_pb2.RolloutRequest(workload=args.workload, live_analysis=getattr(args, "live", False)),
+    )
     d = rollout_json(r)
     if args.output == "json":
         print_json(d)
         return 0
-    print(f"Workload:  {d['workload']}\nPhase:     {d['phase']}  {d['reason']}")
+    print(
+        _("Workload:  {workload}\nPhase:     {phase}  {reason}").format(
+            workload=d["workload"], phase=d["phase"], reason=d["reason"]
+        )
+    )
     if d["phase"] == RolloutPhase.COMPLETED:
         print(
-            f"Weights:   {d['canary_model']} 100% (the workload's model now; {d['baseline_model']} is gone)"
+            _("Weights:   {canary_model} 100% (the workload's model now; {baseline_model} is gone)").format(
+                canary_model=d["canary_model"], baseline_model=d["baseline_model"]
+            )
         )
     else:
         print(
-            f"Weights:   baseline {d['baseline_model']} {d['baseline_weight_pct']}%  /  "
-            f"canary {d['canary_model']} {d['canary_weight_pct']}%"
-        )
-    print(f"Step:      {d['step']} of {d['steps'] or 'manual (promote)'}")
-    a = d["analysis"]
-    if a is not None:
-        print(f"Analysis:  {a['verdict']} (step {a['step'] + 1})  {a['reason']}")
-        rows = []
-        for name in ("baseline", "canary"):
-            v = a[name]
-            dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
-            rows.append(
-                [
-                    name,
-                    v["requests"],
-                    f"{v['error_rate']:.2%} ({v['errors']})",
-                    f"{v['p50_ms']:g} ms",
-                    f"{v['p95_ms']:g} ms",
-                    dev,
-                ]
+            _(
+                "Weights:   baseline {baseline_model} {baseline_weight_pct}%  /  canary {canary_model} {canary_weight_pct}%"
+            ).format(
+                baseline_model=d["baseline_model"],
+                baseline_weight_pct=d["baseline_weight_pct"],
+                canary_model=d["canary_model"],
+                canary_weight_pct=d["canary_weight_pct"],
             )
-        print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
+        )
+    print(_("Step:      {step} of {value}").format(step=d["step"], value=d["steps"] or _("manual (promote)")))
+    if d["analysis"] is not None:
+        a = d["analysis"]
+        print(
+            _("Analysis:  {verdict} (step {value})  {reason}").format(
+                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+            )
+        )
+        _print_analysis(a)
+    if d["live_analysis"] is not None:
+        a = d["live_analysis"]
+        print(
+            _("Live:      {verdict} (step {value})  {reason}").format(
+                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+            )
+        )
+        _print_analysis(a)
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
     return 0
 
 
+def _print_analysis(a: dict[str, Any]) -> None:
+    """The per-version table of one analysis."""
+    rows = []
+    for name in ("baseline", "canary"):
+        v = a[name]
+        dev = f"{a['p95_deviation']:+.1%}" if name == "canary" and a["baseline"]["p95_ms"] else "-"
+        rows.append(
+            [
+                name,
+                v["requests"],
+                f"{v['error_rate']:.2%} ({v['errors']})",
+                f"{v['p50_ms']:g} ms",
+                f"{v['p95_ms']:g} ms",
+                dev,
+            ]
+        )
+    print_table(["VERSION", "REQUESTS", "ERROR RATE", "P50", "P95", "P95 VS BASELINE"], rows)
+
+
 def list_rollouts(args: argparse.Namespace) -> int:
-    resp = _call(args, "ListRollouts", rollout_pb2.ListRolloutsRequest())
-    items = [rollout_json(r) for r in resp.rollouts]
+    from controlplane.cli.main import make_client
+
+    found = make_client(args).pages(
+        rollout_pb2_grpc.RolloutServiceStub,
+        lambda s: s.ListRollouts,
+        rollout_pb2.ListRolloutsRequest(),
+        "rollouts",
+    )
+    found.sort(key=lambda r: r.workload)
+    items = [rollout_json(r) for r in found]
     if args.output == "json":
         print_json({"items": items})
     else:

@@ -13,6 +13,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
 from kunlun_common.api import workload_pb2
+from kunlun_common.i18n import _
 
 
 def make_client(args: argparse.Namespace) -> Any:
@@ -61,25 +62,27 @@ def apply_fields(text: str, pairs: list[str]) -> str:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise CliError(f"scheduler config: not valid YAML ({e})") from None
+        raise CliError(_("scheduler config: not valid YAML ({e})").format(e=e)) from None
     if not isinstance(data, dict):
-        raise CliError("scheduler config: expected a mapping at the top level")
+        raise CliError(_("scheduler config: expected a mapping at the top level"))
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
-            raise CliError(f"{pair!r}: expected KEY=VALUE, e.g. advanced_profiling=true")
+            raise CliError(_("{pair!r}: expected KEY=VALUE, e.g. advanced_profiling=true").format(pair=pair))
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             raise CliError(
-                f"{pair!r}: VALUE is not a YAML value; quote strings, e.g. policy=binpack"
+                _("{pair!r}: VALUE is not a YAML value; quote strings, e.g. policy=binpack").format(pair=pair)
             ) from None
         parts = key.strip().split(".")
         node = data
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise CliError(f"{pair!r}: {part} is not a mapping; set it whole instead")
+                raise CliError(
+                    _("{pair!r}: {part} is not a mapping; set it whole instead").format(pair=pair, part=part)
+                )
             node = child
         node[parts[-1]] = value
     return str(yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
@@ -87,13 +90,15 @@ def apply_fields(text: str, pairs: list[str]) -> str:
 
 def config_set(args: argparse.Namespace) -> int:
     if not args.file and not args.fields:
-        raise CliError("give -f FILE (the whole config) or fields KEY=VALUE, e.g. advanced_profiling=true")
+        raise CliError(_("give -f FILE (the whole config) or fields KEY=VALUE, e.g. advanced_profiling=true"))
     client = make_client(args)
     if args.file:
         try:
             text = Path(args.file).read_text()
         except OSError as e:
-            raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+            raise CliError(
+                _("{file}: cannot be read ({strerror})").format(file=args.file, strerror=e.strerror)
+            ) from None
     else:
         text = client.workloads(lambda s: s.GetSchedulerConfig, workload_pb2.SchedulerConfigRequest()).yaml
     if args.fields:
@@ -104,5 +109,5 @@ def config_set(args: argparse.Namespace) -> int:
 
         print_json(yaml.safe_load(resp.yaml))
     else:
-        print("scheduler config applied")
+        print(_("scheduler config applied"))
     return 0

@@ -21,6 +21,7 @@ import grpc
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import package_pb2, package_pb2_grpc
+from kunlun_common.i18n import _
 
 CHUNK = 1 << 20
 COPIES = 2
@@ -67,7 +68,7 @@ def model_push(args: argparse.Namespace) -> int:
 
     path = Path(args.package)
     if not path.is_file():
-        raise CliError(f"{path}: no such file")
+        raise CliError(_("{path}: no such file").format(path=path))
     client = make_client(args)
     targets = list(client.cfg.endpoints[:COPIES])
     size = path.stat().st_size
@@ -102,7 +103,11 @@ def model_push(args: argparse.Namespace) -> int:
             if not args.quiet and time.monotonic() - last > 2.0:
                 last = time.monotonic()
                 print(
-                    f"pushing {100 * sent // max(size, 1):3d}%  {sent / 1e9:.2f} / {size / 1e9:.2f} GB",
+                    _("pushing {value:3d}%  {value2:.2f} / {value3:.2f} GB").format(
+                        value=100 * sent // max(size, 1),
+                        value2=sent / 1000000000.0,
+                        value3=size / 1000000000.0,
+                    ),
                     file=sys.stderr,
                 )
     for i, q in enumerate(queues):
@@ -112,17 +117,23 @@ def model_push(args: argparse.Namespace) -> int:
         t.join()
     failed = [e for e in errors if e]
     if failed:
-        raise CliError("push refused: " + "; ".join(failed))
+        raise CliError(_("push refused: {items}").format(items="; ".join(failed)))
     if len(targets) < COPIES:
         print(
-            f"kunlun-cli: warning: only {len(targets)} replica endpoint configured; one copy stored",
+            _("kunlun-cli: warning: only {count} replica endpoint configured; one copy stored").format(
+                count=len(targets)
+            ),
             file=sys.stderr,
         )
     final = max((r for r in results if r is not None), key=lambda r: len(r.holders))
     if args.output == "json":
         print_json(info_json(final))
     else:
-        print(f"stored {final.name}@{final.digest} on {', '.join(final.holders)}")
+        print(
+            _("stored {name}@{digest} on {items}").format(
+                name=final.name, digest=final.digest, items=", ".join(final.holders)
+            )
+        )
     return 0
 
 
@@ -130,16 +141,20 @@ def model_list(args: argparse.Namespace) -> int:
     from controlplane.cli.main import make_client
 
     client = make_client(args)
-    resp = client.call_stub(
-        package_pb2_grpc.PackageServiceStub, lambda s: s.ListPackages, package_pb2.ListPackagesRequest()
+    packages = client.pages(
+        package_pb2_grpc.PackageServiceStub,
+        lambda s: s.ListPackages,
+        package_pb2.ListPackagesRequest(),
+        "packages",
     )
+    packages.sort(key=lambda p: (p.name, p.pushed_at_unix_ms))
     if args.output == "json":
-        print_json({"items": [info_json(p) for p in resp.packages]})
+        print_json({"items": [info_json(p) for p in packages]})
         return 0
     rows = [
         (p.name, p.version, p.digest[:19] + "…", p.size_bytes, p.weight_format, p.quantization or "-",
          p.min_device_memory_mb, p.signed_by or "UNSIGNED", ",".join(p.holders))
-        for p in resp.packages
+        for p in packages
     ]  # fmt: skip
     print_table(
         ["NAME", "VERSION", "DIGEST", "BYTES", "FORMAT", "QUANT", "MIN MiB", "SIGNED BY", "HOLDERS"], rows
@@ -167,11 +182,11 @@ def model_delete(args: argparse.Namespace) -> int:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     problems.append(f"{ep}: {e.code().name.lower().replace('_', ' ')}: {e.details()}")
     if problems:
-        raise CliError("delete incomplete: " + "; ".join(problems))
+        raise CliError(_("delete incomplete: {items}").format(items="; ".join(problems)))
     if last is None:
-        raise CliError(f"no package {args.ref} in the store; see `kunlun-cli model list`")
+        raise CliError(_("no package {ref} in the store; see `kunlun-cli model list`").format(ref=args.ref))
     if args.output == "json":
         print_json(info_json(last))
     else:
-        print(f"deleted {last.name}@{last.digest}")
+        print(_("deleted {name}@{digest}").format(name=last.name, digest=last.digest))
     return 0

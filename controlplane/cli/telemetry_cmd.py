@@ -8,9 +8,10 @@ import sys
 import time
 from typing import Any
 
-from controlplane.cli.client import CliError
+from controlplane.cli.client import Client, CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import telemetry_pb2, telemetry_pb2_grpc
+from kunlun_common.i18n import _
 
 GIB = 1024**3
 FILTER_HELP = (
@@ -49,12 +50,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 def _fetch(args: argparse.Namespace, flt: str) -> telemetry_pb2.DeviceMetricsResponse:
     from controlplane.cli.main import make_client
 
-    resp: telemetry_pb2.DeviceMetricsResponse = make_client(args).call_stub(
+    return fetch_metrics(make_client(args), flt)
+
+
+def fetch_metrics(client: Client, flt: str) -> telemetry_pb2.DeviceMetricsResponse:
+    """Every device's row matching `flt`, page by page, as one answer (`total`: all devices)."""
+    out = telemetry_pb2.DeviceMetricsResponse()
+    for resp in client.responses(
         telemetry_pb2_grpc.TelemetryServiceStub,
         lambda s: s.DeviceMetrics,
         telemetry_pb2.DeviceMetricsRequest(filter=flt),
-    )
-    return resp
+        "devices",
+    ):
+        out.devices.extend(resp.devices)
+        out.total += resp.total
+        out.answered_by = resp.answered_by
+        out.revision = resp.revision
+    return out
 
 
 def metric_json(d: telemetry_pb2.DeviceMetric) -> dict[str, Any]:
@@ -115,12 +127,18 @@ def _show(args: argparse.Namespace, resp: telemetry_pb2.DeviceMetricsResponse) -
         )
     else:
         _table(list(resp.devices))
-        print(f"{len(resp.devices)} of {resp.total} devices", file=sys.stderr)
+        print(
+            _("{count} of {total} devices").format(count=len(resp.devices), total=resp.total), file=sys.stderr
+        )
 
 
 def _loop(args: argparse.Namespace, draw: Any) -> int:
     if args.interval <= 0:
-        raise CliError(f"--interval: expected a positive number of seconds, found {args.interval}")
+        raise CliError(
+            _("--interval: expected a positive number of seconds, found {interval}").format(
+                interval=args.interval
+            )
+        )
     n = 0
     try:
         while True:
@@ -144,7 +162,11 @@ def metrics(args: argparse.Namespace) -> int:
         if args.output == "json":
             sys.stdout.write(json.dumps({"items": [metric_json(d) for d in resp.devices]}) + "\n")
         else:
-            print(f"-- {time.strftime('%H:%M:%S')}  {len(resp.devices)} of {resp.total} devices")
+            print(
+                _("-- {strftime}  {count} of {total} devices").format(
+                    strftime=time.strftime("%H:%M:%S"), count=len(resp.devices), total=resp.total
+                )
+            )
             _table(list(resp.devices))
 
     return _loop(args, draw)
@@ -159,8 +181,12 @@ def top_cmd(args: argparse.Namespace) -> int:
         if tty:
             sys.stdout.write("\x1b[H\x1b[2J")  # home + clear
         print(
-            f"kunlun top  {time.strftime('%H:%M:%S')}  devices {len(devices)}/{resp.total}  "
-            f"(from {resp.answered_by}; Ctrl-C stops)"
+            _("kunlun top  {strftime}  devices {count}/{total}  (from {answered_by}; Ctrl-C stops)").format(
+                strftime=time.strftime("%H:%M:%S"),
+                count=len(devices),
+                total=resp.total,
+                answered_by=resp.answered_by,
+            )
         )
         _table(devices)
 
@@ -189,7 +215,9 @@ def targets(args: argparse.Namespace) -> int:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, dest)  # Prometheus never reads a half-written file
-        print(f"{len(resp.targets)} targets written to {dest}", file=sys.stderr)
+        print(
+            _("{count} targets written to {dest}").format(count=len(resp.targets), dest=dest), file=sys.stderr
+        )
     else:
         sys.stdout.write(text)
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from kunlun_common.api import package_pb2, package_pb2_grpc
+from kunlun_common.i18n import _, error_text
 
 
 def register(msub: Any, common: argparse.ArgumentParser) -> None:
@@ -62,7 +63,11 @@ def trust_add(args: argparse.Namespace) -> int:
     try:
         pem = Path(args.public_key).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"{args.public_key}: cannot read the public key ({e})") from None
+        raise CliError(
+            _("{public_key}: cannot read the public key ({e})").format(
+                public_key=args.public_key, e=error_text(e)
+            )
+        ) from None
     k = _call(args, "AddTrustedKey", package_pb2.AddTrustedKeyRequest(public_key_pem=pem, name=args.name))
     if args.output == "json":
         print_json(_json(k))
@@ -113,8 +118,11 @@ def _print_policy(args: argparse.Namespace, p: package_pb2.PackagePolicy) -> Non
     state = "on" if p.require_signed_packages else "off"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(p.updated_at_unix_ms / 1000))
     print(
-        f"require_signed_packages: {state}"
-        + (f"  (set by {p.updated_by} at {when} UTC)" if p.updated_by else "")
+        (
+            _("require_signed_packages: {state}  (set by {by} at {when} UTC)")
+            if p.updated_by
+            else _("require_signed_packages: {state}")
+        ).format(state=state, by=p.updated_by, when=when)
     )
 
 

@@ -12,6 +12,7 @@ from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
+from kunlun_common.i18n import _, error_text
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -76,11 +77,13 @@ def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
         try:
             text = Path(args.file).read_text()
         except OSError as e:
-            raise CliError(f"{args.file}: cannot be read ({e.strerror})") from None
+            raise CliError(
+                _("{file}: cannot be read ({strerror})").format(file=args.file, strerror=e.strerror)
+            ) from None
         try:
             spec = parse_spec_yaml(text, args.file)
         except SpecError as e:
-            raise CliError(str(e).replace("\n", " ")) from None
+            raise CliError(error_text(e).replace("\n", " ")) from None
     for flag in (
         "name",
         "model",
@@ -107,7 +110,7 @@ def build_spec(args: argparse.Namespace) -> workload_pb2.WorkloadSpec:
             t.strip() for t in args.preferred_device_types.split(",") if t.strip()
         )
     if not args.file and not spec.model and not spec.package:
-        raise CliError("give a spec file (-f spec.yaml) or at least --model (or --package)")
+        raise CliError(_("give a spec file (-f spec.yaml) or at least --model (or --package)"))
     return spec
 
 
@@ -126,7 +129,7 @@ def submit(args: argparse.Namespace) -> int:
                 {"name": w.spec.name, "result": "dry-run", "plan": list(resp.plan), "spec": spec_json(w.spec)}
             )
         else:
-            print(f"workload {w.spec.name}: dry run, nothing written; spec valid")
+            print(_("workload {name}: dry run, nothing written; spec valid").format(name=w.spec.name))
             for line in resp.plan:
                 print(f"  {line}")
         return 0
@@ -141,7 +144,7 @@ def submit(args: argparse.Namespace) -> int:
             }
         )
     else:
-        print(f"workload {w.spec.name} ({w.id}) {resp.result}")
+        print(_("workload {name} ({id}) {result}").format(name=w.spec.name, id=w.id, result=resp.result))
     return 0
 
 
@@ -235,41 +238,68 @@ def describe(args: argparse.Namespace) -> int:
         print_json(d)
         return 0
     print(
-        f"Name:        {d['name']}\nID:          {d['id']}\nPhase:       {d['phase']}\nGeneration:  {d['generation']}"
+        _("Name:        {name}\nID:          {id}\nPhase:       {phase}\nGeneration:  {generation}").format(
+            name=d["name"], id=d["id"], phase=d["phase"], generation=d["generation"]
+        )
     )
-    print(f"Created by:  {d['created_by']}   updated by: {d['updated_by']}")
+    print(
+        _("Created by:  {created_by}   updated by: {updated_by}").format(
+            created_by=d["created_by"], updated_by=d["updated_by"]
+        )
+    )
     if d["rolling"]:
-        print(f"Update:      {d['rolling']}")
+        print(_("Update:      {rolling}").format(rolling=d["rolling"]))
     lb = d["load_balance"]
     if lb["devices"]:
         print(
-            f"Load balance: utilization across {lb['devices']} devices: mean {lb['mean_utilization'] * 100:.1f}%, "
-            f"std dev {lb['stddev'] * 100:.1f}%, max-min {lb['max_min'] * 100:.1f}%"
+            _(
+                "Load balance: utilization across {devices} devices: mean {value:.1f}%, std dev {value2:.1f}%, max-min {value3:.1f}%"
+            ).format(
+                devices=lb["devices"],
+                value=lb["mean_utilization"] * 100,
+                value2=lb["stddev"] * 100,
+                value3=lb["max_min"] * 100,
+            )
         )
-    print("Spec:")
+    print(_("Spec:"))
     for k, v in d["spec"].items():
         if v not in ("", 0, [], {}, False, None) or (v == 0 and k in ("max_surge", "max_unavailable")):
             print(f"  {k}: {v}")
-    print("Instances:")
+    print(_("Instances:"))
     for i in d["instance_details"]:
         print(
-            f"  {i['id']}  {i['phase']}{' (retiring)' if i['retiring'] else ''}  gen {i['generation']}  target_devices: [{', '.join(i['target_devices'])}]  {i['reason']}"
+            _("  {id}  {phase}{value}  gen {generation}  target_devices: [{items}]  {reason}").format(
+                id=i["id"],
+                phase=i["phase"],
+                value=_(" (retiring)") if i["retiring"] else "",
+                generation=i["generation"],
+                items=", ".join(i["target_devices"]),
+                reason=i["reason"],
+            )
         )
         for node, why in i["unplaced_reasons"].items():
             print(f"      {node}: {why}")
         if i["endpoint"]:
-            print(f"      endpoint: {i['endpoint']}  pid: {i['pid']}  restarts: {i['restarts']}")
+            print(
+                _("      endpoint: {endpoint}  pid: {pid}  restarts: {restarts}").format(
+                    endpoint=i["endpoint"], pid=i["pid"], restarts=i["restarts"]
+                )
+            )
         plan = i["launch_plan"]
         if plan["command"]:
-            print(f"      launch: {' '.join(plan['command'])}")
-            print(f"      env: {', '.join(plan['env_names'])}")
-            print(f"      devices: {', '.join(plan['device_nodes']) or '-'}")
+            print(_("      launch: {items}").format(items=" ".join(plan["command"])))
+            print(_("      env: {items}").format(items=", ".join(plan["env_names"])))
+            print(_("      devices: {value}").format(value=", ".join(plan["device_nodes"]) or "-"))
         if i["prepare_seconds"] or i["first_token_ms"]:
-            print(f"      prepared in {i['prepare_seconds']}s, first token {i['first_token_ms']} ms")
+            print(
+                _("      prepared in {prepare_seconds}s, first token {first_token_ms} ms").format(
+                    prepare_seconds=i["prepare_seconds"], first_token_ms=i["first_token_ms"]
+                )
+            )
         for h in i["history"][-5:]:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
             print(f"      {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
-    print("History:")
+    print(_("History:"))
     for h in d["history"]:
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
         print(f"  {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
@@ -285,7 +315,11 @@ def scale(args: argparse.Namespace) -> int:
             {"id": resp.workload.id, "name": resp.workload.spec.name, "replicas": resp.workload.spec.replicas}
         )
     else:
-        print(f"workload {resp.workload.spec.name} scaled to {resp.workload.spec.replicas}")
+        print(
+            _("workload {name} scaled to {replicas}").format(
+                name=resp.workload.spec.name, replicas=resp.workload.spec.replicas
+            )
+        )
     return 0
 
 
@@ -301,15 +335,17 @@ def delete(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         else:
             raise CliError(
-                f"workload {args.name} is still being deleted after 60s; see `kunlun-cli workload describe {args.name}`"
+                _(
+                    "workload {name} is still being deleted after 60s; see `kunlun-cli workload describe {name}`"
+                ).format(name=args.name)
             )
     if args.output == "json":
         print_json({"id": resp.id, "deleted": True})
     else:
         print(
-            f"workload {args.name} ({resp.id}) deleted"
+            _("workload {name} ({id}) deleted").format(name=args.name, id=resp.id)
             if args.wait
-            else f"workload {args.name} ({resp.id}) is being deleted"
+            else _("workload {name} ({id}) is being deleted").format(name=args.name, id=resp.id)
         )
     return 0
 
@@ -342,4 +378,4 @@ def logs(args: argparse.Namespace) -> int:
                     errors.append(f"{ep}: {e.details()}")
                     continue
                 raise CliError(f"{ep}: {e.code().name.lower().replace('_', ' ')}: {e.details()}") from None
-    raise CliError("no replica answered (" + "; ".join(errors) + ")")
+    raise CliError(_("no replica answered ({items})").format(items="; ".join(errors)))

@@ -69,10 +69,13 @@ async def records(store: EtcdStore) -> list[tuple[str, dict[str, object]]]:
     return [(kv.key, keys.decode(kv.value)) for kv in kvs]
 
 
+def listed(rec: dict[str, object], include_revoked: bool) -> gateway_pb2.ApiKey | None:
+    """The key as listed, or None when the listing leaves it out (revoked, unless asked for)."""
+    return api_key_message(rec) if include_revoked or not rec.get("revoked_at_ms") else None
+
+
 async def list_keys(store: EtcdStore, include_revoked: bool) -> list[gateway_pb2.ApiKey]:
-    out = [
-        api_key_message(r) for _, r in await records(store) if include_revoked or not r.get("revoked_at_ms")
-    ]
+    out = [k for _, r in await records(store) if (k := listed(r, include_revoked)) is not None]
     out.sort(key=lambda k: (k.created_at_unix_ms, k.id))
     return out
 

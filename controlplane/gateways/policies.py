@@ -9,6 +9,7 @@ from controlplane.workloads.spec import NAME_RE
 from kunlun_common.api import gateway_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput
+from kunlun_common.messages import Message, msg
 from kunlun_common.traffic import ROUTING_POLICIES
 
 DEFAULT = ("", "default")
@@ -26,17 +27,42 @@ def policy_message(rec: dict[str, object]) -> gateway_pb2.RoutingPolicy:
     )
 
 
-def problems(p: gateway_pb2.RoutingPolicy) -> list[str]:
+def problems(p: gateway_pb2.RoutingPolicy) -> list[Message]:
     """What is wrong with a policy a caller sent, one line per field (the first one is reported)."""
-    out = []
+    out: list[Message] = []
     if not NAME_RE.match(p.workload):
-        out.append(f"workload: {p.workload!r} is not a valid name")
+        out.append(
+            msg(
+                "gateway.policy.workload_not_valid_name",
+                "workload: {workload!r} is not a valid name",
+                workload=p.workload,
+            )
+        )
     if p.policy not in (*ROUTING_POLICIES, *DEFAULT):
-        out.append(f"policy: expected one of {', '.join(ROUTING_POLICIES)} or default, found {p.policy!r}")
+        out.append(
+            msg(
+                "gateway.policy.policy_expected_one_default",
+                "policy: expected one of {items} or default, found {policy!r}",
+                items=", ".join(ROUTING_POLICIES),
+                policy=p.policy,
+            )
+        )
     if p.balance_factor and not 1.0 <= p.balance_factor <= 10.0:
-        out.append(f"balance_factor: expected 1..10, found {p.balance_factor}")
+        out.append(
+            msg(
+                "gateway.policy.balance_factor_expected_found",
+                "balance_factor: expected 1..10, found {balance_factor}",
+                balance_factor=p.balance_factor,
+            )
+        )
     if not 0 <= p.prefix_chars <= 65536:
-        out.append(f"prefix_chars: expected 0..65536, found {p.prefix_chars}")
+        out.append(
+            msg(
+                "gateway.policy.prefix_chars_expected_found",
+                "prefix_chars: expected 0..65536, found {prefix_chars}",
+                prefix_chars=p.prefix_chars,
+            )
+        )
     return out
 
 

@@ -19,7 +19,7 @@ from controlplane.workloads.spec import NAME_RE
 from kunlun_common.api import gateway_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError
-from kunlun_common.messages import msg
+from kunlun_common.messages import Message, msg
 
 MAX_SCHEMA_BYTES = 64 * 1024
 """Largest schema text: gateways validate every request against it on their event loop."""
@@ -27,37 +27,76 @@ MAX_TEMPLATE_BYTES = 16 * 1024
 """Largest prompt template."""
 
 
-def _schema_problem(field: str, text: str) -> str | None:
+def _schema_problem(field: str, text: str) -> Message | None:
     if not text:
-        return f'{field}: required (a JSON Schema, e.g. {{"type": "object"}})'
+        return msg(
+            "endpoint.required_json_schema",
+            '{field}: required (a JSON Schema, e.g. {{"type": "object"}})',
+            field=field,
+        )
     if len(text.encode()) > MAX_SCHEMA_BYTES:
-        return f"{field}: {len(text.encode())} bytes, above the limit of {MAX_SCHEMA_BYTES}"
+        return msg(
+            "endpoint.bytes_above_limit",
+            "{field}: {count} bytes, above the limit of {max_schema_bytes}",
+            field=field,
+            count=len(text.encode()),
+            max_schema_bytes=MAX_SCHEMA_BYTES,
+        )
     try:
         schema: Any = json.loads(text)
     except ValueError as e:
-        return f"{field}: not valid JSON ({e})"
+        return msg("endpoint.not_valid_json", "{field}: not valid JSON ({e})", field=field, e=e)
     if not isinstance(schema, (dict, bool)):
-        return f"{field}: a JSON Schema must be an object, found {type(schema).__name__}"
+        return msg(
+            "endpoint.json_schema_must_object",
+            "{field}: a JSON Schema must be an object, found {name}",
+            field=field,
+            name=type(schema).__name__,
+        )
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        return f"{field}: not a valid JSON Schema at {e.json_path}: {e.message}"
+        return msg(
+            "endpoint.not_valid_json_schema",
+            "{field}: not a valid JSON Schema at {json_path}: {message}",
+            field=field,
+            json_path=e.json_path,
+            message=e.message,
+        )
     return None
 
 
-def problems(ep: gateway_pb2.RequestEndpoint) -> list[str]:
+def problems(ep: gateway_pb2.RequestEndpoint) -> list[Message]:
     """What is wrong with a definition a caller sent, one line per field (the first is reported)."""
-    out = []
+    out: list[Message] = []
     if not NAME_RE.match(ep.name):
-        out.append(f"name: {ep.name!r} is not a valid name (lower-case letters, digits, '-' and '.', 1-63)")
+        out.append(
+            msg(
+                "endpoint.name_not_valid_name",
+                "name: {name!r} is not a valid name (lower-case letters, digits, '-' and '.', 1-63)",
+                name=ep.name,
+            )
+        )
     if not NAME_RE.match(ep.workload):
-        out.append(f"workload: {ep.workload!r} is not a valid workload name")
+        out.append(
+            msg(
+                "endpoint.workload_not_valid_workload",
+                "workload: {workload!r} is not a valid workload name",
+                workload=ep.workload,
+            )
+        )
     for field, text in (("input_schema", ep.input_schema_json), ("output_schema", ep.output_schema_json)):
         why = _schema_problem(field, text)
         if why:
             out.append(why)
     if len(ep.prompt_template.encode()) > MAX_TEMPLATE_BYTES:
-        out.append(f"prompt_template: above the limit of {MAX_TEMPLATE_BYTES} bytes")
+        out.append(
+            msg(
+                "endpoint.prompt_template_above_limit",
+                "prompt_template: above the limit of {max_template_bytes} bytes",
+                max_template_bytes=MAX_TEMPLATE_BYTES,
+            )
+        )
     return out
 
 

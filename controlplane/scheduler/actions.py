@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controlplane import keys
-from controlplane.store import KV, Compare, DeleteOp, Op, PutOp
-from controlplane.store.contract import MAX_TXN_OPS
+from controlplane.store.contract import KV, MAX_TXN_OPS, Compare, DeleteOp, Op, PutOp
 from kunlun_common.api import workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.states import InstancePhase

@@ -17,6 +17,7 @@ import yaml
 
 from controlplane.scheduler.model import PRIORITIES
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.profiling import MAX_INTERVAL_MS, MIN_INTERVAL_MS
 
 POLICIES = ("spread", "binpack")
@@ -107,10 +108,23 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _unknown_key(where: str, key: object, known: tuple[str, ...]) -> str:
+def _unknown_key(where: str, key: object, known: tuple[str, ...]) -> Message:
     close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else "known: " + ", ".join(known)
-    return f"{where}{key}: expected a known key ({hint}), found an unknown key"
+    if close:
+        return msg(
+            "scheduler.config.unknown_key_close",
+            "{where}{key}: expected a known key (did you mean {close!r}?), found an unknown key",
+            where=where,
+            key=str(key),
+            close=close[0],
+        )
+    return msg(
+        "scheduler.config.unknown_key",
+        "{where}{key}: expected a known key (known: {known}), found an unknown key",
+        where=where,
+        key=str(key),
+        known=", ".join(known),
+    )
 
 
 def _one_of(value: object, choices: tuple[str, ...]) -> str:
@@ -121,69 +135,153 @@ def _one_of(value: object, choices: tuple[str, ...]) -> str:
     return "expected one of " + ", ".join(repr(c) for c in choices) + hint
 
 
-def _check_values(config: SchedulerConfig) -> list[str]:
+def _check_values(config: SchedulerConfig) -> list[Message]:
     """Range and type problems of a built config, as `field: expected X, found Y` lines."""
-    problems: list[str] = []
+    problems: list[Message] = []
     if config.policy not in POLICIES:
-        problems.append(f"policy: {_one_of(config.policy, POLICIES)}, found {_describe(config.policy)}")
+        problems.append(
+            msg(
+                "scheduler.config.policy_found",
+                "policy: {one_of}, found {policy}",
+                one_of=_one_of(config.policy, POLICIES),
+                policy=_describe(config.policy),
+            )
+        )
     for key, weight in config.priority_weights.items():
         if key not in PRIORITIES:
             problems.append(_unknown_key("priority_weights.", key, PRIORITIES))
         elif not _is_number(weight) or not math.isfinite(weight) or weight <= 0:
-            problems.append(f"priority_weights.{key}: expected a number > 0, found {_describe(weight)}")
+            problems.append(
+                msg(
+                    "scheduler.config.priority_weights_expected_number_2",
+                    "priority_weights.{key}: expected a number > 0, found {weight}",
+                    key=key,
+                    weight=_describe(weight),
+                )
+            )
     for key in PRIORITIES:
         if key not in config.priority_weights:
-            problems.append(f"priority_weights.{key}: expected a number > 0, found nothing")
+            problems.append(
+                msg(
+                    "scheduler.config.priority_weights_expected_number",
+                    "priority_weights.{key}: expected a number > 0, found nothing",
+                    key=key,
+                )
+            )
     _check_range(problems, "min_gpu_utilization_threshold", config.min_gpu_utilization_threshold, 0, 100)
     limit = config.temperature_limit_c
     if not _is_number(limit) or not math.isfinite(limit) or not 0 < limit <= MAX_TEMPERATURE_LIMIT_C:
         problems.append(
-            f"temperature_limit_c: expected a number > 0 and <= {MAX_TEMPERATURE_LIMIT_C:g}, "
-            f"found {_describe(limit)}"
+            msg(
+                "scheduler.config.temperature_limit_c_expected",
+                "temperature_limit_c: expected a number > 0 and <= {max_temperature_limit_c:g}, found {limit}",
+                max_temperature_limit_c=MAX_TEMPERATURE_LIMIT_C,
+                limit=_describe(limit),
+            )
         )
     seen: set[str] = set()
     for i, prio in enumerate(config.preemption_enabled_for):
         where = f"preemption_enabled_for[{i}]"
         if prio not in PRIORITIES:
-            problems.append(f"{where}: {_one_of(prio, PRIORITIES)}, found {_describe(prio)}")
+            problems.append(
+                msg(
+                    "scheduler.config.found",
+                    "{where}: {one_of}, found {prio}",
+                    where=where,
+                    one_of=_one_of(prio, PRIORITIES),
+                    prio=_describe(prio),
+                )
+            )
         elif prio in seen:
-            problems.append(f"{where}: expected each priority once, found {prio!r} again")
+            problems.append(
+                msg(
+                    "scheduler.config.expected_each_priority_once",
+                    "{where}: expected each priority once, found {prio!r} again",
+                    where=where,
+                    prio=prio,
+                )
+            )
         seen.add(str(prio))
     grace = config.node_not_ready_grace_seconds
     if not _is_number(grace) or not math.isfinite(grace) or grace <= 0:
-        problems.append(f"node_not_ready_grace_seconds: expected a number > 0, found {_describe(grace)}")
+        problems.append(
+            msg(
+                "scheduler.config.node_not_ready_grace",
+                "node_not_ready_grace_seconds: expected a number > 0, found {grace}",
+                grace=_describe(grace),
+            )
+        )
     grace = config.device_unhealthy_grace_seconds
     if not _is_number(grace) or not math.isfinite(grace) or grace < 0:
-        problems.append(f"device_unhealthy_grace_seconds: expected a number >= 0, found {_describe(grace)}")
+        problems.append(
+            msg(
+                "scheduler.config.device_unhealthy_grace_seconds",
+                "device_unhealthy_grace_seconds: expected a number >= 0, found {grace}",
+                grace=_describe(grace),
+            )
+        )
     _check_range(problems, "pause_moves_not_ready_fraction", config.pause_moves_not_ready_fraction, 0.0, 1.0)
     cap = config.max_placements_per_commit
     if not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= MAX_PLACEMENTS_PER_COMMIT:
         problems.append(
-            f"max_placements_per_commit: expected an integer from 1 to {MAX_PLACEMENTS_PER_COMMIT} "
-            f"({ETCD_MAX_TXN_OPS} etcd operations per transaction, {OPS_PER_PLACEMENT} per placement), "
-            f"found {_describe(cap)}"
+            msg(
+                "scheduler.config.max_placements_per_commit",
+                "max_placements_per_commit: expected an integer from 1 to {max_placements_per_commit} ({etcd_max_txn_ops} etcd operations per transaction, {ops_per_placement} per placement), found {cap}",
+                max_placements_per_commit=MAX_PLACEMENTS_PER_COMMIT,
+                etcd_max_txn_ops=ETCD_MAX_TXN_OPS,
+                ops_per_placement=OPS_PER_PLACEMENT,
+                cap=_describe(cap),
+            )
         )
     if not isinstance(config.advanced_profiling, bool):
         problems.append(
-            f"advanced_profiling: expected true or false, found {_describe(config.advanced_profiling)}"
+            msg(
+                "scheduler.config.advanced_profiling_expected_true",
+                "advanced_profiling: expected true or false, found {advanced_profiling}",
+                advanced_profiling=_describe(config.advanced_profiling),
+            )
         )
     ms = config.profiling_interval_ms
     if not isinstance(ms, int) or isinstance(ms, bool) or not MIN_INTERVAL_MS <= ms <= MAX_INTERVAL_MS:
         problems.append(
-            f"profiling_interval_ms: expected an integer from {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS} "
-            f"(milliseconds between samples), found {_describe(ms)}"
+            msg(
+                "scheduler.config.profiling_interval_ms_expected",
+                "profiling_interval_ms: expected an integer from {min_interval_ms} to {max_interval_ms} (milliseconds between samples), found {ms}",
+                min_interval_ms=MIN_INTERVAL_MS,
+                max_interval_ms=MAX_INTERVAL_MS,
+                ms=_describe(ms),
+            )
         )
     return problems
 
 
-def _check_range(problems: list[str], name: str, value: object, low: float, high: float) -> None:
+def _check_range(problems: list[Message], name: str, value: object, low: float, high: float) -> None:
     if not (isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high):
-        problems.append(f"{name}: expected a number from {low:g} to {high:g}, found {_describe(value)}")
+        problems.append(
+            msg(
+                "scheduler.config.expected_number_from_found",
+                "{name}: expected a number from {low:g} to {high:g}, found {value}",
+                name=name,
+                low=low,
+                high=high,
+                value=_describe(value),
+            )
+        )
 
 
-def _format(source: str, problems: list[str]) -> str:
-    count = f"{len(problems)} problem" + ("s" if len(problems) > 1 else "")
-    return f"{source}: {count}:\n" + "\n".join(f"  - {p}" for p in problems)
+def _format(source: str, problems: list[Message]) -> Message:
+    if len(problems) == 1:
+        return msg_list(
+            "scheduler.config.problem", "{source}: 1 problem:\n{parts}", problems, "  - ", source=source
+        )
+    return msg_list(
+        "scheduler.config.problems",
+        "{source}: {count} problems:\n{parts}",
+        problems,
+        "  - ",
+        source=source,
+        count=len(problems),
+    )
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -200,7 +298,13 @@ class _StrictLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if key in seen:
                 raise ConfigError(
-                    f"{key}: expected the key once, found it twice (lines {seen[key]} and {line})"
+                    msg(
+                        "scheduler.config.expected_key_once_found",
+                        "{key}: expected the key once, found it twice (lines {value} and {line})",
+                        key=key,
+                        value=seen[key],
+                        line=line,
+                    )
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
@@ -214,15 +318,30 @@ def parse_scheduler_config(text: str, source: str = DEFAULT_SOURCE) -> Scheduler
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except ConfigError as exc:
-        raise ConfigError(_format(source, [str(exc)])) from None
+        raise ConfigError(
+            _format(source, [exc.localizable or msg("scheduler.config.yaml", "{text}", text=str(exc))])
+        ) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        raise ConfigError(
+            msg("scheduler.config.not_valid_yaml", "{source}: not valid YAML: {exc}", source=source, exc=exc)
+        ) from None
     if data is None:
         return SchedulerConfig()
     if not isinstance(data, Mapping):
-        raise ConfigError(_format(source, [f"(top level): expected a mapping, found {_describe(data)}"]))
+        raise ConfigError(
+            _format(
+                source,
+                [
+                    msg(
+                        "scheduler.config.top_level",
+                        "(top level): expected a mapping, found {found}",
+                        found=_describe(data),
+                    )
+                ],
+            )
+        )
 
-    problems: list[str] = []
+    problems: list[Message] = []
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in FIELD_NAMES:
@@ -236,7 +355,11 @@ def parse_scheduler_config(text: str, source: str = DEFAULT_SOURCE) -> Scheduler
             values["priority_weights"] = {**_default_weights(), **weights}
         else:
             problems.append(
-                f"priority_weights: expected a mapping of priority to weight, found {_describe(weights)}"
+                msg(
+                    "scheduler.config.priority_weights_expected_mapping",
+                    "priority_weights: expected a mapping of priority to weight, found {weights}",
+                    weights=_describe(weights),
+                )
             )
             del values["priority_weights"]
     prios = values.get("preemption_enabled_for")
@@ -245,7 +368,11 @@ def parse_scheduler_config(text: str, source: str = DEFAULT_SOURCE) -> Scheduler
             values["preemption_enabled_for"] = tuple(prios)
         else:
             problems.append(
-                f"preemption_enabled_for: expected a list of priorities, found {_describe(prios)}"
+                msg(
+                    "scheduler.config.preemption_enabled_for_expected",
+                    "preemption_enabled_for: expected a list of priorities, found {prios}",
+                    prios=_describe(prios),
+                )
             )
             del values["preemption_enabled_for"]
     elif "preemption_enabled_for" in values:

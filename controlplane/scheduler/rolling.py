@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controlplane.scheduler.actions import Unit, create_instance, remove_instance, retire_instance
-from controlplane.store import KV
+from controlplane.store.contract import KV
 from kunlun_common.api import workload_pb2
 from kunlun_common.states import PLACED, InstancePhase
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from google.protobuf import json_format
 
 from controlplane import keys
-from controlplane.cache import GraphCache
 from controlplane.scheduler.config import SchedulerConfig, parse_scheduler_config
 from controlplane.scheduler.model import (
     DeviceView,
@@ -19,9 +18,12 @@ from controlplane.scheduler.model import (
     RunningInstance,
     WorkloadReq,
 )
-from controlplane.store import KV
+from controlplane.store.contract import KV
 from kunlun_common.api import rollout_pb2, types_pb2, workload_pb2
 from kunlun_common.states import PLACED, DeviceState, InstancePhase
+
+if TYPE_CHECKING:  # only handed in: the decisions built on these states do no I/O
+    from controlplane.cache import GraphCache
 
 
 @dataclass

@@ -25,6 +25,7 @@ from aetcd import rpc
 
 from controlplane.store.contract import prefix_end
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.pki import ETCD_ADMIN, ETCD_USER, etcd_client_paths
 
 ROLE = "kunlun"
@@ -38,8 +39,13 @@ def _channel(endpoint_host_port: str, cert_dir: Path, server_name: str) -> grpc.
         creds = grpc.ssl_channel_credentials(p.ca.read_bytes(), p.key.read_bytes(), p.cert.read_bytes())
     except OSError as e:
         raise ConfigError(
-            f"{e.filename}: cannot be read ({e.strerror}); the etcd admin certificate folder must hold "
-            f"etcd-ca.crt and etcd-client/{ETCD_ADMIN}.crt|key (made by `kunlun-cli certs init`)"
+            msg(
+                "store.admin.cannot_read_etcd_admin",
+                "{filename}: cannot be read ({strerror}); the etcd admin certificate folder must hold etcd-ca.crt and etcd-client/{etcd_admin}.crt|key (made by `kunlun-cli certs init`)",
+                filename=e.filename,
+                strerror=e.strerror,
+                etcd_admin=ETCD_ADMIN,
+            )
         ) from None
     return grpc.aio.secure_channel(
         endpoint_host_port,
@@ -98,7 +104,14 @@ def enable_etcd_auth(endpoints: tuple[str, ...], cert_dir: Path, prefix: str = C
             return
         except grpc.aio.AioRpcError as e:
             last = e
-    raise ConfigError(f"could not enable etcd authentication on {', '.join(endpoints)}: {last}")
+    raise ConfigError(
+        msg(
+            "store.admin.could_not_enable_etcd",
+            "could not enable etcd authentication on {items}: {last}",
+            items=", ".join(endpoints),
+            last=last,
+        )
+    )
 
 
 async def defragment(endpoint: str, cert_dir: Path, timeout_s: float = 60.0) -> None:

@@ -45,6 +45,7 @@ from controlplane.store.admin import admin_channel, enable_auth_async
 from controlplane.store.backup_file import BackupHeader, Record
 from controlplane.store.contract import MAX_TXN_OPS, prefix_end
 from kunlun_common.errors import PermanentError, TemporaryError
+from kunlun_common.messages import msg
 
 T = TypeVar("T")
 PAGE = 500
@@ -116,8 +117,24 @@ async def first_answering(
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     errors.append(f"{ep}: {e.code().name}: {(e.details() or '')[:160]}")
                     continue
-                raise PermanentError(f"etcd {ep} refused {what}: {e.code().name}: {e.details()}") from None
-    raise TemporaryError(f"no etcd member answered {what} ({'; '.join(errors)}); check --etcd-endpoints")
+                raise PermanentError(
+                    msg(
+                        "backup.etcd_refused",
+                        "etcd {ep} refused {what}: {name}: {details}",
+                        ep=ep,
+                        what=what,
+                        name=e.code().name,
+                        details=e.details(),
+                    )
+                ) from None
+    raise TemporaryError(
+        msg(
+            "backup.no_etcd_member_answered",
+            "no etcd member answered {what} ({items}); check --etcd-endpoints",
+            what=what,
+            items="; ".join(errors),
+        )
+    )
 
 
 async def _read_at_one_revision(
@@ -178,7 +195,12 @@ async def take_backup(
         except PermanentError as e:
             if "compacted" not in str(e):
                 raise
-    raise TemporaryError("etcd compacted the revision being read three times in a row; run the backup again")
+    raise TemporaryError(
+        msg(
+            "backup.etcd_compacted_revision_being",
+            "etcd compacted the revision being read three times in a row; run the backup again",
+        )
+    )
 
 
 async def _inspect(
@@ -272,28 +294,39 @@ async def restore_backup(
         cluster_id, revision, count, live = await _inspect(ch, policy, ep_timeout)
         if f"{cluster_id:x}" == header.cluster_id and revision < header.revision:
             raise RestoreRefused(
-                f"the target etcd cluster has the backed-up cluster's id {header.cluster_id} but revision "
-                f"{revision}, behind the backup's {header.revision}: agents would ignore its assignments as "
-                "old; create the fresh etcd cluster with a new cluster token (ETCD_INITIAL_CLUSTER_TOKEN "
-                "/ --initial-cluster-token) and restore again"
+                msg(
+                    "backup.target_etcd_cluster_has",
+                    "the target etcd cluster has the backed-up cluster's id {cluster_id} but revision {revision}, behind the backup's {revision2}: agents would ignore its assignments as old; create the fresh etcd cluster with a new cluster token (ETCD_INITIAL_CLUSTER_TOKEN / --initial-cluster-token) and restore again",
+                    cluster_id=header.cluster_id,
+                    revision=revision,
+                    revision2=header.revision,
+                )
             )
         if live and not force:
             raise RestoreRefused(
-                f"replicas are running against this etcd cluster ({', '.join(live[:5])} exist): stop every "
-                "kunlun-platform first (systemctl stop kunlun-platform), or pass --force to replace the "
-                "running cluster's state (its replicas re-elect; agents reconnect)"
+                msg(
+                    "backup.replicas_are_running_against",
+                    "replicas are running against this etcd cluster ({items} exist): stop every kunlun-platform first (systemctl stop kunlun-platform), or pass --force to replace the running cluster's state (its replicas re-elect; agents reconnect)",
+                    items=", ".join(live[:5]),
+                )
             )
         interrupted = bool(policy.marker) and await _exists(ch, policy.marker, ep_timeout)
         if interrupted and not force:
             raise RestoreRefused(
-                f"an earlier restore into this etcd cluster did not finish ({policy.marker} is still there): "
-                "run the restore again with --force (what it wrote is deleted first); replicas wait meanwhile"
+                msg(
+                    "backup.earlier_restore_into_this",
+                    "an earlier restore into this etcd cluster did not finish ({marker} is still there): run the restore again with --force (what it wrote is deleted first); replicas wait meanwhile",
+                    marker=policy.marker,
+                )
             )
         if count and not force:
             raise RestoreRefused(
-                f"the target etcd cluster already holds {count} keys under {policy.prefix}: restore onto a "
-                "fresh etcd cluster, or pass --force to delete them first (e.g. to finish an interrupted "
-                "restore)"
+                msg(
+                    "backup.target_etcd_cluster_already",
+                    "the target etcd cluster already holds {count} keys under {prefix}: restore onto a fresh etcd cluster, or pass --force to delete them first (e.g. to finish an interrupted restore)",
+                    count=count,
+                    prefix=policy.prefix,
+                )
             )
         if count:
             await _wipe(ch, policy, ep_timeout)
@@ -324,8 +357,13 @@ async def restore_backup(
         )
         if int(after.count) != len(todo) + (1 if policy.marker else 0):
             raise TemporaryError(
-                f"after the restore etcd holds {after.count} keys under {policy.prefix}, expected {len(todo)} "
-                "(something else wrote meanwhile?); run the restore again with --force"
+                msg(
+                    "backup.after_restore_etcd_holds",
+                    "after the restore etcd holds {count} keys under {prefix}, expected {count2} (something else wrote meanwhile?); run the restore again with --force",
+                    count=after.count,
+                    prefix=policy.prefix,
+                    count2=len(todo),
+                )
             )
         end_rev = int(after.header.revision)
         if policy.marker:  # the last write: replicas may start

@@ -45,7 +45,6 @@ from controlplane.store.contract import (
     KV,
     MAX_TXN_OPS,
     Compare,
-    DeleteOp,
     GetOp,
     Op,
     PutOp,
@@ -55,8 +54,11 @@ from controlplane.store.contract import (
     WatchEvent,
     prefix_end,
 )
+from controlplane.store.credentials import read_pair
 from controlplane.store.leases import LeaseKeeper
+from controlplane.store.wire import LeaseNotFound, _compare, _kv, _op, _read, channel_closed, translate
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.pki import ETCD_PEER_NAME
 from kunlun_common.retry import backoff_delay, retry_until
 
@@ -64,21 +66,6 @@ log = structlog.get_logger("store")
 T = TypeVar("T")
 _METADATA = (("hasleader", "true"),)
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # (grpc-stubs lags grpcio)
-_TEMPORARY_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.INTERNAL,
-}
-_CMP_RESULT = {"==": 0, ">": 1, "<": 2, "!=": 3}
-_CMP_TARGET = {"version": 0, "create": 1, "mod": 2, "value": 3, "lease": 4}
-
-
-class LeaseNotFound(PermanentError):
-    """The lease expired or was revoked."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +86,11 @@ def host_port(endpoint: str) -> tuple[str, int]:
     url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
     if not url.hostname or not url.port:
         raise ConfigError(
-            f"etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379"
+            msg(
+                "store.etcd_endpoint_expected_https",
+                "etcd endpoint {endpoint!r}: expected https://HOST:PORT, e.g. https://127.0.0.1:2379",
+                endpoint=endpoint,
+            )
         )
     return url.hostname, url.port
 
@@ -115,27 +106,6 @@ def _target(endpoints: Sequence[str]) -> str:
     return f"{scheme}:{','.join(addrs)}"
 
 
-def _kv(m: Any) -> KV:
-    return KV(
-        key=m.key.decode(),
-        value=bytes(m.value),
-        create_revision=int(m.create_revision),
-        mod_revision=int(m.mod_revision),
-        version=int(m.version),
-        lease=int(m.lease),
-    )
-
-
-def translate(e: grpc.aio.AioRpcError, what: str) -> Exception:
-    """Map a gRPC error from etcd onto TemporaryError / PermanentError with a clear message."""
-    detail = e.details() or str(e.code())
-    if "lease not found" in detail:
-        return LeaseNotFound(f"etcd {what}: {detail}")
-    if e.code() in _TEMPORARY_CODES or "no leader" in detail or "timed out" in detail:
-        return TemporaryError(f"etcd {what} failed: {e.code().name}: {detail}", delay=0.2)
-    return PermanentError(f"etcd {what} refused: {e.code().name}: {detail}")
-
-
 class EtcdStore:
     """Async access to etcd; see the module docstring for which calls are CAS and time-critical."""
 
@@ -147,21 +117,18 @@ class EtcdStore:
         self._watch: Any = None
         self._keeper: LeaseKeeper | None = None
         self._creds: grpc.ChannelCredentials | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+        self.client_serial = ""
+        """The serial of the client certificate this store presents to etcd (hex; "" before connecting)."""
         # called after every request with (operation, seconds, failed); the replica's metrics
         self.observer: Callable[[str, float, bool], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def _credentials(self) -> grpc.ChannelCredentials:
         s = self.settings
-        try:
-            ca = open(s.ca_path, "rb").read()
-            cert = open(s.cert_path, "rb").read()
-            key = open(s.key_path, "rb").read()
-        except OSError as e:
-            raise ConfigError(
-                f"etcd TLS file {e.filename} cannot be read ({e.strerror}); check store settings"
-            ) from None
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        pair = read_pair(s.ca_path, s.cert_path, s.key_path, check=False)
+        self.client_serial = pair.serial
+        return pair.credentials()
 
     def _server_name(self) -> str:
         """The name every member's certificate must carry (see StoreSettings.server_name)."""
@@ -200,7 +167,57 @@ class EtcdStore:
         self._watch = rpc.WatchStub(self._channel)
         self._keeper = LeaseKeeper(self._lease, self.settings.request_timeout_s)
 
+    def reload_credentials(self, grace_s: float = 5.0) -> bool:
+        """Re-read the client certificate (SIGHUP after `kunlun-cli certs rotate`); True if a new
+        one is now in use. A broken or unchanged pair keeps the current one (logged).
+
+        New requests, watches and lease keep-alive streams go over a new channel that presents the
+        new certificate; the old channel is closed after `grace_s`, which ends the requests still
+        on it (each is retried on the new channel, as after any lost connection), its watches
+        (they resume from their last revision: caches lose nothing) and its keep-alive streams
+        (retired at once: the next refresh of every lease uses the new channel, so leases, the
+        leader's included, stay alive). Afterwards etcd sees only the new certificate, so the old
+        one can be revoked at etcd (`certs revoke SERIAL --dir DIR`)."""
+        s = self.settings
+        try:
+            pair = read_pair(s.ca_path, s.cert_path, s.key_path)
+        except ConfigError as e:
+            log.error("etcd client certificate reload refused; keeping the current one", error=str(e))
+            return False
+        if self._channel is None:  # not connected yet: the first connection reads the files
+            return False
+        if pair.serial == self.client_serial:
+            log.info("etcd client certificate reload: unchanged", serial=pair.serial)
+            return False
+        old, previous = self._channel, self.client_serial
+        self._creds = pair.credentials()
+        self.client_serial = pair.serial
+        self._channel = self._new_channel(_target(self.settings.endpoints))
+        self._kv = rpc.KVStub(self._channel)
+        self._lease = rpc.LeaseStub(self._channel)
+        self._watch = rpc.WatchStub(self._channel)
+        if self._keeper is not None:
+            self._keeper.switch(self._lease)
+        task = asyncio.get_running_loop().create_task(self._retire(old, grace_s), name="etcd-old-channel")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        log.info(
+            "etcd client certificate reloaded",
+            serial=pair.serial,
+            previous=previous,
+            old_channel_closes_in_s=grace_s,
+        )
+        return True
+
+    async def _retire(self, channel: grpc.aio.Channel, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        await channel.close(None)
+        log.info("etcd channel of the previous client certificate closed")
+
     async def close(self) -> None:
+        for t in list(self._retiring):
+            t.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._keeper is not None:
             await self._keeper.close()
         if self._channel is not None:
@@ -215,6 +232,17 @@ class EtcdStore:
                 return await fn()
             except grpc.aio.AioRpcError as e:
                 raise translate(e, what) from None
+            except asyncio.CancelledError:
+                if not channel_closed():
+                    raise
+                raise TemporaryError(
+                    msg(
+                        "store.etcd_its_channel_was",
+                        "etcd {what}: its channel was closed (certificate reload)",
+                        what=what,
+                    ),
+                    delay=0.05,
+                ) from None
 
         observer = self.observer
         if observer is None:
@@ -305,7 +333,13 @@ class EtcdStore:
         At most MAX_TXN_OPS operations per branch.
         """
         if len(success) > MAX_TXN_OPS or len(failure) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
-            raise PermanentError(f"transaction with more than {MAX_TXN_OPS} operations (etcd's limit)")
+            raise PermanentError(
+                msg(
+                    "store.transaction_with_more_than",
+                    "transaction with more than {max_txn_ops} operations (etcd's limit)",
+                    max_txn_ops=MAX_TXN_OPS,
+                )
+            )
         req = rpc.TxnRequest(
             compare=[_compare(c) for c in compares],
             success=[_op(o) for o in success],
@@ -333,7 +367,9 @@ class EtcdStore:
             "lease grant", lambda: self._lease.LeaseGrant(req, timeout=self._timeout, metadata=_METADATA)
         )
         if resp.error:
-            raise TemporaryError(f"etcd lease grant failed: {resp.error}")
+            raise TemporaryError(
+                msg("store.etcd_lease_grant_failed", "etcd lease grant failed: {error}", error=resp.error)
+            )
         return int(resp.ID)
 
     async def lease_keepalive(self, lease_id: int) -> int:
@@ -392,9 +428,9 @@ class EtcdStore:
                 while True:
                     # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
                     async with asyncio.timeout(self.settings.watch_idle_timeout_s):
-                        resp = await call.read()
+                        resp = await _read(call)
                     if resp is _EOF:
-                        raise TemporaryError("watch stream closed")
+                        raise TemporaryError(msg("store.watch_stream_closed", "watch stream closed"))
                     attempt = 0
                     if resp.compact_revision:
                         log.warning(
@@ -408,7 +444,13 @@ class EtcdStore:
                         yield Resync(kvs, rev)
                         break
                     if resp.canceled:
-                        raise TemporaryError(f"watch canceled: {resp.cancel_reason}")
+                        raise TemporaryError(
+                            msg(
+                                "store.watch_canceled",
+                                "watch canceled: {cancel_reason}",
+                                cancel_reason=resp.cancel_reason,
+                            )
+                        )
                     # one transaction = several events at the same revision: skip only revisions
                     # delivered before this response, and move on once the whole response is out
                     first_new = next_rev
@@ -462,32 +504,3 @@ class EtcdStore:
     async def compact(self, revision: int) -> None:
         req = rpc.CompactionRequest(revision=revision, physical=False)
         await self._call("compact", lambda: self._kv.Compact(req, timeout=self._timeout, metadata=_METADATA))
-
-
-def _compare(c: Compare) -> Any:
-    kw: dict[str, Any] = {
-        "result": _CMP_RESULT[c.op],
-        "target": _CMP_TARGET[c.target],
-        "key": c.key.encode(),
-    }
-    field = {
-        "version": "version",
-        "create": "create_revision",
-        "mod": "mod_revision",
-        "value": "value",
-        "lease": "lease",
-    }[c.target]
-    kw[field] = c.value
-    return rpc.Compare(**kw)
-
-
-def _op(o: Op) -> Any:
-    if isinstance(o, PutOp):
-        return rpc.RequestOp(request_put=rpc.PutRequest(key=o.key.encode(), value=o.value, lease=o.lease))
-    if isinstance(o, DeleteOp):
-        end = prefix_end(o.key) if o.prefix else b""
-        return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=o.key.encode(), range_end=end))
-    if isinstance(o, GetOp):
-        end = prefix_end(o.key) if o.prefix else b""
-        return rpc.RequestOp(request_range=rpc.RangeRequest(key=o.key.encode(), range_end=end))
-    raise PermanentError(f"unknown op {o!r}")

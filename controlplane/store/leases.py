@@ -23,6 +23,7 @@ import grpc
 from aetcd import rpc
 
 from kunlun_common.errors import TemporaryError
+from kunlun_common.messages import msg
 
 _METADATA = (("hasleader", "true"),)
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # (grpc-stubs lags grpcio)
@@ -111,7 +112,9 @@ class LeaseKeeper:
             while True:
                 resp = await s.call.read()
                 if resp is _EOF:
-                    raise TemporaryError("lease keep-alive stream closed")
+                    raise TemporaryError(
+                        msg("store.lease.lease_keep_alive_stream", "lease keep-alive stream closed")
+                    )
                 s.answered_at = time.monotonic()
                 q = s.waiting.get(int(resp.ID))
                 if q:
@@ -123,8 +126,20 @@ class LeaseKeeper:
                 if s.retired and not s.waiting:
                     self._drop(s)
                     return
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            self._broken(
+                s,
+                TemporaryError(
+                    msg(
+                        "store.lease.stream_ended_reload",
+                        "lease keep-alive stream ended: its channel was closed ({error})",
+                        error=repr(e),
+                    )
+                ),
+            )
         except (grpc.aio.AioRpcError, TemporaryError) as e:
             self._broken(s, e)
 
@@ -158,8 +173,13 @@ class LeaseKeeper:
             if left <= 0:
                 self.timeouts += 1
                 raise TemporaryError(
-                    f"etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s"
-                    + (f" ({last})" if last else "")
+                    msg(
+                        "store.lease.etcd_did_not_answer",
+                        "etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s{value}",
+                        lease_id=lease_id,
+                        timeout=timeout,
+                        value=f" ({last})" if last else "",
+                    )
                 )
             fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             slot = self._slots[lease_id % len(self._slots)]
@@ -171,7 +191,16 @@ class LeaseKeeper:
                     async with asyncio.timeout(self._timeout):
                         await s.call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
                 except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as e:
-                    self._broken(s, TemporaryError(f"lease keep-alive write failed: {e}"))
+                    self._broken(
+                        s,
+                        TemporaryError(
+                            msg(
+                                "store.lease.lease_keep_alive_write",
+                                "lease keep-alive write failed: {e}",
+                                e=e,
+                            )
+                        ),
+                    )
             try:
                 async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                     return await fut
@@ -188,12 +217,25 @@ class LeaseKeeper:
                     self._drop(s)
                 self.timeouts += 1
                 raise TemporaryError(
-                    f"etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s"
+                    msg(
+                        "store.lease.etcd_did_not_answer_2",
+                        "etcd did not answer the keep-alive of lease {lease_id:x} within {timeout}s",
+                        lease_id=lease_id,
+                        timeout=timeout,
+                    )
                 ) from None
+
+    def switch(self, stub: Any) -> None:
+        """Use another channel's LeaseStub (a reloaded client certificate): every open stream is
+        retired (it drains the refreshes written on it), new refreshes open streams on `stub`."""
+        self._stub = stub
+        for slot in self._slots:
+            if slot.stream is not None:
+                self._retire(slot.stream)
 
     async def close(self) -> None:
         for s in [*self._draining, *(slot.stream for slot in self._slots if slot.stream is not None)]:
-            s.fail_all(TemporaryError("lease keep-alive closed"))
+            s.fail_all(TemporaryError(msg("store.lease.lease_keep_alive_closed", "lease keep-alive closed")))
             s.close()
         self._draining.clear()
         for slot in self._slots:

@@ -24,6 +24,7 @@ from aetcd import rpc
 from controlplane.store.admin import admin_channel
 from controlplane.store.backup import AdminTarget, first_answering
 from kunlun_common.errors import InvalidInput, NotFoundError, TemporaryError
+from kunlun_common.messages import msg
 from kunlun_common.retry import retry_until
 
 T = TypeVar("T")
@@ -48,9 +49,12 @@ async def _change(target: AdminTarget, what: str, fn: Callable[[rpc.ClusterStub]
             detail = e.details() or ""
             if "unhealthy cluster" in detail or "not enough started members" in detail:
                 raise ClusterNotReady(
-                    f"etcd refused {what}: {detail} (etcd changes members only while every member has been "
-                    "connected for 5 s and the change keeps quorum); wait until `kunlun-cli cluster etcd member "
-                    "list` shows every member healthy, then run it again"
+                    msg(
+                        "store.members.etcd_refused_etcd_changes",
+                        "etcd refused {what}: {detail} (etcd changes members only while every member has been connected for 5 s and the change keeps quorum); wait until `kunlun-cli cluster etcd member list` shows every member healthy, then run it again",
+                        what=what,
+                        detail=detail,
+                    )
                 ) from None
             raise
 
@@ -130,8 +134,11 @@ def check_peer_url(url: str) -> str:
     u = urlparse(url)
     if u.scheme != "https" or not u.hostname or not u.port or u.path not in ("", "/"):
         raise InvalidInput(
-            f"--peer-urls: {url!r} is not https://HOST:PORT (the new member's peer address, e.g. "
-            "https://10.0.0.14:2380); members speak TLS to each other"
+            msg(
+                "store.members.peer_urls_not_https",
+                "--peer-urls: {url!r} is not https://HOST:PORT (the new member's peer address, e.g. https://10.0.0.14:2380); members speak TLS to each other",
+                url=url,
+            )
         )
     return url.rstrip("/")
 
@@ -144,7 +151,11 @@ async def add_member(
     _, current = await list_members(target, health=False)
     if any(m.name == name for m in current):
         raise InvalidInput(
-            f"name: a member named {name!r} exists already; remove it first or pick another name"
+            msg(
+                "store.members.name_member_named_exists",
+                "name: a member named {name!r} exists already; remove it first or pick another name",
+                name=name,
+            )
         )
 
     async def add(stub: rpc.ClusterStub) -> tuple[Member, list[Member]]:
@@ -163,10 +174,20 @@ async def remove_member(target: AdminTarget, which: str) -> tuple[Member, list[M
     if not found:
         names = ", ".join(f"{m.name or '(unstarted)'} {m.id_hex}" for m in current)
         raise NotFoundError(
-            f"no etcd member named {which!r} (members: {names}); give a name or hex id from the list"
+            msg(
+                "store.members.no_etcd_member_named",
+                "no etcd member named {which!r} (members: {names}); give a name or hex id from the list",
+                which=which,
+                names=names,
+            )
         )
     if len(current) == 1:
-        raise InvalidInput("the cluster has one member; removing it would destroy the cluster")
+        raise InvalidInput(
+            msg(
+                "store.members.cluster_has_one_member",
+                "the cluster has one member; removing it would destroy the cluster",
+            )
+        )
     gone = found[0]
 
     async def remove(stub: rpc.ClusterStub) -> list[Member]:

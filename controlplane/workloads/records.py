@@ -43,8 +43,13 @@ def encode_checked(w: workload_pb2.Workload) -> bytes:
     data = keys.encode_message(w)
     if len(data) > MAX_RECORD_BYTES:
         raise PermanentError(
-            f"workload {w.spec.name!r}: the record would be {len(data)} bytes, over the {MAX_RECORD_BYTES}-byte "
-            "limit; shorten the spec (env, engine_args) and submit again"
+            msg(
+                "workload.workload_record_would_bytes",
+                "workload {name!r}: the record would be {count} bytes, over the {max_record_bytes}-byte limit; shorten the spec (env, engine_args) and submit again",
+                name=w.spec.name,
+                count=len(data),
+                max_record_bytes=MAX_RECORD_BYTES,
+            )
         )
     return data
 
@@ -133,7 +138,13 @@ async def submit(
         )
         if res.succeeded:
             return w, "updated"
-    raise Conflict(f"workload {spec.name!r} changed concurrently; retry")
+    raise Conflict(
+        msg(
+            "workload.workload_changed_concurrently_retry",
+            "workload {name!r} changed concurrently; retry",
+            name=spec.name,
+        )
+    )
 
 
 async def update(
@@ -163,7 +174,13 @@ async def update(
         )
         if res.succeeded:
             return w
-    raise Conflict(f"workload {name_or_id!r} changed concurrently; retry")
+    raise Conflict(
+        msg(
+            "workload.workload_changed_concurrently_retry_2",
+            "workload {name_or_id!r} changed concurrently; retry",
+            name_or_id=name_or_id,
+        )
+    )
 
 
 async def cordon(store: EtcdStore, node: str, cordon: bool, drain: bool, who: str) -> bool:

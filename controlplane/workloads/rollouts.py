@@ -15,32 +15,74 @@ from controlplane.workloads import records
 from kunlun_common.api import rollout_pb2, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConcurrentChange, InvalidInput, NotFoundError, PermanentError
-from kunlun_common.messages import msg
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.states import RolloutPhase
 
 MAX_CAS_ATTEMPTS = 5
 
 
-def spec_problems(spec: rollout_pb2.RolloutSpec) -> list[str]:
+def spec_problems(spec: rollout_pb2.RolloutSpec) -> list[Message]:
     """Every problem of a rollout spec, one per field ('field: what is wrong')."""
     p = []
     if not spec.model:
-        p.append("model: required")
+        p.append(msg("rollout.model_required", "model: required"))
     if not 1 <= spec.canary_pct <= 100:
-        p.append(f"canary: expected 1..100 percent, found {spec.canary_pct}")
+        p.append(
+            msg(
+                "rollout.canary_expected_percent_found",
+                "canary: expected 1..100 percent, found {canary_pct}",
+                canary_pct=spec.canary_pct,
+            )
+        )
     steps = list(spec.steps)
     if steps and (any(not 1 <= s <= 100 for s in steps) or steps != sorted(set(steps)) or steps[-1] != 100):
-        p.append(f"steps: expected ascending percents in 1..100 ending with 100, found {steps}")
+        p.append(
+            msg(
+                "rollout.steps_expected_ascending_percents",
+                "steps: expected ascending percents in 1..100 ending with 100, found {steps}",
+                steps=steps,
+            )
+        )
     if spec.interval_s < 0:
-        p.append(f"interval: expected >= 0 seconds, found {spec.interval_s}")
+        p.append(
+            msg(
+                "rollout.interval_expected_seconds_found",
+                "interval: expected >= 0 seconds, found {interval_s}",
+                interval_s=spec.interval_s,
+            )
+        )
     if spec.HasField("max_error_rate") and not 0 <= spec.max_error_rate <= 1:
-        p.append(f"max_error_rate: expected a fraction in 0..1, found {spec.max_error_rate:g}")
+        p.append(
+            msg(
+                "rollout.max_error_rate_expected",
+                "max_error_rate: expected a fraction in 0..1, found {max_error_rate:g}",
+                max_error_rate=spec.max_error_rate,
+            )
+        )
     if spec.HasField("max_p95_increase") and spec.max_p95_increase < 0:
-        p.append(f"max_p95_increase: expected a fraction >= 0, found {spec.max_p95_increase:g}")
+        p.append(
+            msg(
+                "rollout.max_p_increase_expected",
+                "max_p95_increase: expected a fraction >= 0, found {max_p95_increase:g}",
+                max_p95_increase=spec.max_p95_increase,
+            )
+        )
     if spec.HasField("min_p95_delta_ms") and spec.min_p95_delta_ms < 0:
-        p.append(f"min_p95_delta_ms: expected >= 0, found {spec.min_p95_delta_ms:g}")
+        p.append(
+            msg(
+                "rollout.min_p_delta_ms",
+                "min_p95_delta_ms: expected >= 0, found {min_p95_delta_ms:g}",
+                min_p95_delta_ms=spec.min_p95_delta_ms,
+            )
+        )
     if spec.HasField("min_requests") and spec.min_requests < 0:
-        p.append(f"min_requests: expected >= 0, found {spec.min_requests}")
+        p.append(
+            msg(
+                "rollout.min_requests_expected_found",
+                "min_requests: expected >= 0, found {min_requests}",
+                min_requests=spec.min_requests,
+            )
+        )
     return p
 
 
@@ -68,7 +110,7 @@ async def create(store: EtcdStore, spec: rollout_pb2.RolloutSpec, who: str) -> r
     """Start a rollout of `spec.workload` to `spec.model` (refused while one is in progress)."""
     problems = spec_problems(spec)
     if problems:
-        raise InvalidInput("; ".join(problems))
+        raise InvalidInput(msg_list("rollout.invalid", "{parts}", problems, bullet="", sep="; "))
     w, _ = await records.resolve(store, spec.workload)
     old = await store.get(keys.rollout(w.id))
     stats_kvs, _ = await store.get_prefix(keys.GATEWAY_STATS)

@@ -31,9 +31,14 @@ class Assignment(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    SPEC_REF_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     workload_id: _builtins.str
     generation: _builtins.int
+    spec_ref: _builtins.str
+    """Set instead of `spec` when the agent registered with `shared_specs`: the key of this item's
+    spec in `Assignments.specs` (each distinct spec travels once per set, not once per instance).
+    """
     @_builtins.property
     def spec(self) -> _workload_pb2.WorkloadSpec: ...
     @_builtins.property
@@ -48,10 +53,11 @@ class Assignment(_message.Message):
         spec: _workload_pb2.WorkloadSpec | None = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
         generation: _builtins.int = ...,
+        spec_ref: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "generation", b"generation", "instance_id", b"instance_id", "spec", b"spec", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "generation", b"generation", "instance_id", b"instance_id", "spec", b"spec", "spec_ref", b"spec_ref", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -63,9 +69,31 @@ class Assignments(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SpecsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _workload_pb2.WorkloadSpec: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _workload_pb2.WorkloadSpec | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ITEMS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    SPECS_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """etcd revision the set was read at (increasing within one etcd cluster)."""
     cluster_id: _builtins.int
@@ -74,16 +102,21 @@ class Assignments(_message.Message):
     """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___Assignment]: ...
+    @_builtins.property
+    def specs(self) -> _containers.MessageMap[_builtins.str, _workload_pb2.WorkloadSpec]:
+        """The specs the items name by `spec_ref` (only for agents that registered with `shared_specs`)."""
+
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___Assignment] | None = ...,
         revision: _builtins.int = ...,
         cluster_id: _builtins.int = ...,
+        specs: _abc.Mapping[_builtins.str, _workload_pb2.WorkloadSpec] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "items", b"items", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "items", b"items", "revision", b"revision", "specs", b"specs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -207,6 +240,7 @@ class RegisterNode(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _builtins.int
     DISCONNECT_DEADLINE_S_FIELD_NUMBER: _builtins.int
     STOP_GRACE_S_FIELD_NUMBER: _builtins.int
+    SHARED_SPECS_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Must equal the node named by the agent's certificate."""
     address: _builtins.str
@@ -225,6 +259,10 @@ class RegisterNode(_message.Message):
     disconnect_deadline_s + stop_grace_s < node lease + node_not_ready_grace_seconds.
     """
     stop_grace_s: _builtins.float
+    shared_specs: _builtins.bool
+    """The agent understands assignment sets whose items name a shared spec (`Assignment.spec_ref`).
+    Unset (an older agent): every item carries its spec.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -241,10 +279,11 @@ class RegisterNode(_message.Message):
         metrics_address: _builtins.str = ...,
         disconnect_deadline_s: _builtins.float = ...,
         stop_grace_s: _builtins.float = ...,
+        shared_specs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agent_pid", b"agent_pid", "agent_version", b"agent_version", "config_path", b"config_path", "devices", b"devices", "disconnect_deadline_s", b"disconnect_deadline_s", "metrics_address", b"metrics_address", "node", b"node", "node_service", b"node_service", "shared_specs", b"shared_specs", "simulated", b"simulated", "stop_grace_s", b"stop_grace_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

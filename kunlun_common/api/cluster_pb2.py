@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kunlun_common.api import types_pb2 as kunlun_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/cluster.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\"\"\n\x12ListDevicesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"9\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.kunlun.v1.Device\"%\n\x15\x44\x65scribeDeviceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x16\x44\x65scribeDeviceResponse\x12!\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.Device\x12\x1d\n\x04node\x18\x02 \x01(\x0b\x32\x0f.kunlun.v1.Node\"\x12\n\x10ListNodesRequest\"3\n\x11ListNodesResponse\x12\x1e\n\x05nodes\x18\x01 \x03(\x0b\x32\x0f.kunlun.v1.Node\"\x8f\x01\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\"\x8a\x01\n\x0e\x45tcdMemberInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x15\n\rdb_size_bytes\x18\x05 \x01(\x03\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tmember_id\x18\x07 \x01(\x04\"\x16\n\x14\x43lusterStatusRequest\"\xad\x01\n\x15\x43lusterStatusResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.ReplicaInfo\x12/\n\x0c\x65tcd_members\x18\x02 \x03(\x0b\x32\x19.kunlun.v1.EtcdMemberInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x04 \x01(\x03\x12\x13\n\x0b\x61nswered_by\x18\x05 \x01(\t\"\x0f\n\rWhoAmIRequest\"0\n\x0eWhoAmIResponse\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t2\x90\x03\n\x0e\x43lusterService\x12L\n\x0bListDevices\x12\x1d.kunlun.v1.ListDevicesRequest\x1a\x1e.kunlun.v1.ListDevicesResponse\x12U\n\x0e\x44\x65scribeDevice\x12 .kunlun.v1.DescribeDeviceRequest\x1a!.kunlun.v1.DescribeDeviceResponse\x12\x46\n\tListNodes\x12\x1b.kunlun.v1.ListNodesRequest\x1a\x1c.kunlun.v1.ListNodesResponse\x12R\n\rClusterStatus\x12\x1f.kunlun.v1.ClusterStatusRequest\x1a .kunlun.v1.ClusterStatusResponse\x12=\n\x06WhoAmI\x12\x18.kunlun.v1.WhoAmIRequest\x1a\x19.kunlun.v1.WhoAmIResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/cluster.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\"I\n\x12ListDevicesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"d\n\x13ListDevicesResponse\x12\"\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x11.kunlun.v1.Device\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\"%\n\x15\x44\x65scribeDeviceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Z\n\x16\x44\x65scribeDeviceResponse\x12!\n\x06\x64\x65vice\x18\x01 \x01(\x0b\x32\x11.kunlun.v1.Device\x12\x1d\n\x04node\x18\x02 \x01(\x0b\x32\x0f.kunlun.v1.Node\"9\n\x10ListNodesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"^\n\x11ListNodesResponse\x12\x1e\n\x05nodes\x18\x01 \x03(\x0b\x32\x0f.kunlun.v1.Node\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\"\x8f\x01\n\x0bReplicaInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\x05 \x01(\x03\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x07 \x01(\t\"\x8a\x01\n\x0e\x45tcdMemberInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x15\n\rdb_size_bytes\x18\x05 \x01(\x03\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tmember_id\x18\x07 \x01(\x04\"\x16\n\x14\x43lusterStatusRequest\"\xad\x01\n\x15\x43lusterStatusResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.ReplicaInfo\x12/\n\x0c\x65tcd_members\x18\x02 \x03(\x0b\x32\x19.kunlun.v1.EtcdMemberInfo\x12\x0e\n\x06leader\x18\x03 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x04 \x01(\x03\x12\x13\n\x0b\x61nswered_by\x18\x05 \x01(\t\"\x0f\n\rWhoAmIRequest\"0\n\x0eWhoAmIResponse\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\"#\n\x13\x44rainReplicaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x81\x01\n\x14\x44rainReplicaResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\nwas_leader\x18\x03 \x01(\x08\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\x13\n\x0bhandover_ms\x18\x05 \x01(\x03\x12\x15\n\rstreams_ended\x18\x06 \x01(\x05\x32\xe1\x03\n\x0e\x43lusterService\x12L\n\x0bListDevices\x12\x1d.kunlun.v1.ListDevicesRequest\x1a\x1e.kunlun.v1.ListDevicesResponse\x12U\n\x0e\x44\x65scribeDevice\x12 .kunlun.v1.DescribeDeviceRequest\x1a!.kunlun.v1.DescribeDeviceResponse\x12\x46\n\tListNodes\x12\x1b.kunlun.v1.ListNodesRequest\x1a\x1c.kunlun.v1.ListNodesResponse\x12R\n\rClusterStatus\x12\x1f.kunlun.v1.ClusterStatusRequest\x1a .kunlun.v1.ClusterStatusResponse\x12=\n\x06WhoAmI\x12\x18.kunlun.v1.WhoAmIRequest\x1a\x19.kunlun.v1.WhoAmIResponse\x12O\n\x0c\x44rainReplica\x12\x1e.kunlun.v1.DrainReplicaRequest\x1a\x1f.kunlun.v1.DrainReplicaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunlun.v1.cluster_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTDEVICESREQUEST']._serialized_start=61
-  _globals['_LISTDEVICESREQUEST']._serialized_end=95
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=97
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=154
-  _globals['_DESCRIBEDEVICEREQUEST']._serialized_start=156
-  _globals['_DESCRIBEDEVICEREQUEST']._serialized_end=193
-  _globals['_DESCRIBEDEVICERESPONSE']._serialized_start=195
-  _globals['_DESCRIBEDEVICERESPONSE']._serialized_end=285
-  _globals['_LISTNODESREQUEST']._serialized_start=287
-  _globals['_LISTNODESREQUEST']._serialized_end=305
-  _globals['_LISTNODESRESPONSE']._serialized_start=307
-  _globals['_LISTNODESRESPONSE']._serialized_end=358
-  _globals['_REPLICAINFO']._serialized_start=361
-  _globals['_REPLICAINFO']._serialized_end=504
-  _globals['_ETCDMEMBERINFO']._serialized_start=507
-  _globals['_ETCDMEMBERINFO']._serialized_end=645
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=647
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=669
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=672
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=845
-  _globals['_WHOAMIREQUEST']._serialized_start=847
-  _globals['_WHOAMIREQUEST']._serialized_end=862
-  _globals['_WHOAMIRESPONSE']._serialized_start=864
-  _globals['_WHOAMIRESPONSE']._serialized_end=912
-  _globals['_CLUSTERSERVICE']._serialized_start=915
-  _globals['_CLUSTERSERVICE']._serialized_end=1315
+  _globals['_LISTDEVICESREQUEST']._serialized_end=134
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=136
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=236
+  _globals['_DESCRIBEDEVICEREQUEST']._serialized_start=238
+  _globals['_DESCRIBEDEVICEREQUEST']._serialized_end=275
+  _globals['_DESCRIBEDEVICERESPONSE']._serialized_start=277
+  _globals['_DESCRIBEDEVICERESPONSE']._serialized_end=367
+  _globals['_LISTNODESREQUEST']._serialized_start=369
+  _globals['_LISTNODESREQUEST']._serialized_end=426
+  _globals['_LISTNODESRESPONSE']._serialized_start=428
+  _globals['_LISTNODESRESPONSE']._serialized_end=522
+  _globals['_REPLICAINFO']._serialized_start=525
+  _globals['_REPLICAINFO']._serialized_end=668
+  _globals['_ETCDMEMBERINFO']._serialized_start=671
+  _globals['_ETCDMEMBERINFO']._serialized_end=809
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=811
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=833
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=836
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1009
+  _globals['_WHOAMIREQUEST']._serialized_start=1011
+  _globals['_WHOAMIREQUEST']._serialized_end=1026
+  _globals['_WHOAMIRESPONSE']._serialized_start=1028
+  _globals['_WHOAMIRESPONSE']._serialized_end=1076
+  _globals['_DRAINREPLICAREQUEST']._serialized_start=1078
+  _globals['_DRAINREPLICAREQUEST']._serialized_end=1113
+  _globals['_DRAINREPLICARESPONSE']._serialized_start=1116
+  _globals['_DRAINREPLICARESPONSE']._serialized_end=1245
+  _globals['_CLUSTERSERVICE']._serialized_start=1248
+  _globals['_CLUSTERSERVICE']._serialized_end=1729
 # @@protoc_insertion_point(module_scope)

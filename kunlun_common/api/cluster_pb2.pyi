@@ -24,16 +24,29 @@ class ListDevicesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     node: _builtins.str
     """Only devices of this node (empty: all)."""
+    page_size: _builtins.int
+    """At most this many devices (1..1000), and fewer when a page would pass 1 MiB, node by node in
+    name order (each node's in declaration order), read at one etcd revision; 0: every device at
+    once (the answer then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
+    """
     def __init__(
         self,
         *,
         node: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -44,16 +57,24 @@ class ListDevicesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEVICES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
         self,
         *,
         devices: _abc.Iterable[_types_pb2.Device] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -107,12 +128,25 @@ Global___DescribeDeviceResponse: _TypeAlias = DescribeDeviceResponse  # noqa: Y0
 class ListNodesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many nodes (1..1000), and fewer when a page would pass 1 MiB, in name order, read
+    at one etcd revision; 0: every node at once (the answer then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -123,16 +157,24 @@ class ListNodesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Node]: ...
     def __init__(
         self,
         *,
         nodes: _abc.Iterable[_types_pb2.Node] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "nodes", b"nodes", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -298,3 +340,64 @@ class WhoAmIResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WhoAmIResponse: _TypeAlias = WhoAmIResponse  # noqa: Y015
+
+@_typing.final
+class DrainReplicaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The replica to drain (its name in `kunlun-cli cluster status`); the call must reach that
+    replica itself (kunlun-cli sends it to the registered address).
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReplicaRequest: _TypeAlias = DrainReplicaRequest  # noqa: Y015
+
+@_typing.final
+class DrainReplicaResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    WAS_LEADER_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    HANDOVER_MS_FIELD_NUMBER: _builtins.int
+    STREAMS_ENDED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    pid: _builtins.int
+    """The process that drained and is exiting (its service manager starts a new one)."""
+    was_leader: _builtins.bool
+    """Whether it led when the drain began."""
+    leader: _builtins.str
+    """The replica that leads after the handover ("" when none took over within the wait)."""
+    handover_ms: _builtins.int
+    """Milliseconds from the call until leadership was handed over (0 when it did not lead)."""
+    streams_ended: _builtins.int
+    """Agent and gateway streams told to reconnect to another replica."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        was_leader: _builtins.bool = ...,
+        leader: _builtins.str = ...,
+        handover_ms: _builtins.int = ...,
+        streams_ended: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handover_ms", b"handover_ms", "leader", b"leader", "name", b"name", "pid", b"pid", "streams_ended", b"streams_ended", "was_leader", b"was_leader"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainReplicaResponse: _TypeAlias = DrainReplicaResponse  # noqa: Y015

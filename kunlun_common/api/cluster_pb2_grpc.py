@@ -59,6 +59,11 @@ class ClusterServiceStub:
                 request_serializer=kunlun_dot_v1_dot_cluster__pb2.WhoAmIRequest.SerializeToString,
                 response_deserializer=kunlun_dot_v1_dot_cluster__pb2.WhoAmIResponse.FromString,
                 _registered_method=True)
+        self.DrainReplica = channel.unary_unary(
+                '/kunlun.v1.ClusterService/DrainReplica',
+                request_serializer=kunlun_dot_v1_dot_cluster__pb2.DrainReplicaRequest.SerializeToString,
+                response_deserializer=kunlun_dot_v1_dot_cluster__pb2.DrainReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -94,6 +99,14 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainReplica(self, request, context):
+        """Stop campaigning, hand over leadership, end the agent and gateway streams (they reconnect
+        to another replica), answer, then exit 0 for the service manager to restart the process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +134,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.WhoAmI,
                     request_deserializer=kunlun_dot_v1_dot_cluster__pb2.WhoAmIRequest.FromString,
                     response_serializer=kunlun_dot_v1_dot_cluster__pb2.WhoAmIResponse.SerializeToString,
+            ),
+            'DrainReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainReplica,
+                    request_deserializer=kunlun_dot_v1_dot_cluster__pb2.DrainReplicaRequest.FromString,
+                    response_serializer=kunlun_dot_v1_dot_cluster__pb2.DrainReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +276,33 @@ class ClusterService:
             '/kunlun.v1.ClusterService/WhoAmI',
             kunlun_dot_v1_dot_cluster__pb2.WhoAmIRequest.SerializeToString,
             kunlun_dot_v1_dot_cluster__pb2.WhoAmIResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kunlun.v1.ClusterService/DrainReplica',
+            kunlun_dot_v1_dot_cluster__pb2.DrainReplicaRequest.SerializeToString,
+            kunlun_dot_v1_dot_cluster__pb2.DrainReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,10 @@ class ClusterServiceStub:
     ListNodes: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ListNodesRequest, _cluster_pb2.ListNodesResponse]
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ClusterStatusRequest, _cluster_pb2.ClusterStatusResponse]
     WhoAmI: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.WhoAmIRequest, _cluster_pb2.WhoAmIResponse]
+    DrainReplica: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.DrainReplicaRequest, _cluster_pb2.DrainReplicaResponse]
+    """Stop campaigning, hand over leadership, end the agent and gateway streams (they reconnect
+    to another replica), answer, then exit 0 for the service manager to restart the process.
+    """
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -45,6 +49,10 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     ListNodes: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ListNodesRequest, _cluster_pb2.ListNodesResponse]  # type: ignore[assignment]
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ClusterStatusRequest, _cluster_pb2.ClusterStatusResponse]  # type: ignore[assignment]
     WhoAmI: _aio.UnaryUnaryMultiCallable[_cluster_pb2.WhoAmIRequest, _cluster_pb2.WhoAmIResponse]  # type: ignore[assignment]
+    DrainReplica: _aio.UnaryUnaryMultiCallable[_cluster_pb2.DrainReplicaRequest, _cluster_pb2.DrainReplicaResponse]  # type: ignore[assignment]
+    """Stop campaigning, hand over leadership, end the agent and gateway streams (they reconnect
+    to another replica), answer, then exit 0 for the service manager to restart the process.
+    """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -81,5 +89,15 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _cluster_pb2.WhoAmIRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.WhoAmIResponse, _abc.Awaitable[_cluster_pb2.WhoAmIResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DrainReplica(
+        self,
+        request: _cluster_pb2.DrainReplicaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.DrainReplicaResponse, _abc.Awaitable[_cluster_pb2.DrainReplicaResponse]]:
+        """Stop campaigning, hand over leadership, end the agent and gateway streams (they reconnect
+        to another replica), answer, then exit 0 for the service manager to restart the process.
+        """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

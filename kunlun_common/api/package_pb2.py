@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/package.proto\x12\tkunlun.v1\"n\n\nTrustedKey\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x16\n\x0epublic_key_pem\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x61\x64\x64\x65\x64_by\x18\x04 \x01(\t\x12\x18\n\x10\x61\x64\x64\x65\x64_at_unix_ms\x18\x05 \x01(\x03\"<\n\x14\x41\x64\x64TrustedKeyRequest\x12\x16\n\x0epublic_key_pem\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\")\n\x17RemoveTrustedKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"\x18\n\x16ListTrustedKeysRequest\">\n\x17ListTrustedKeysResponse\x12#\n\x04keys\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.TrustedKey\" \n\x10PushPackageChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x9a\x02\n\x0bPackageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x15\n\rweight_format\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x1c\n\x14min_device_memory_mb\x18\x07 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x1b\n\x13target_device_types\x18\t \x03(\t\x12\x11\n\tsigned_by\x18\n \x01(\t\x12\x11\n\tpushed_by\x18\x0b \x01(\t\x12\x19\n\x11pushed_at_unix_ms\x18\x0c \x01(\x03\x12\x0f\n\x07holders\x18\r \x03(\t\"\x15\n\x13ListPackagesRequest\"@\n\x14ListPackagesResponse\x12(\n\x08packages\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.PackageInfo\"#\n\x14\x44\x65letePackageRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"1\n\x12PullPackageRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"v\n\x0cPackageChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x12\n\nchunk_size\x18\x05 \x01(\x03\x12\x0f\n\x07replica\x18\x06 \x01(\t\"`\n\rPackagePolicy\x12\x1f\n\x17require_signed_packages\x18\x01 \x01(\x08\x12\x12\n\nupdated_by\x18\x02 \x01(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x03 \x01(\x03\"\x19\n\x17GetPackagePolicyRequest\":\n\x17SetPackagePolicyRequest\x12\x1f\n\x17require_signed_packages\x18\x01 \x01(\x08\x32\xd0\x05\n\x0ePackageService\x12\x44\n\x0bPushPackage\x12\x1b.kunlun.v1.PushPackageChunk\x1a\x16.kunlun.v1.PackageInfo(\x01\x12O\n\x0cListPackages\x12\x1e.kunlun.v1.ListPackagesRequest\x1a\x1f.kunlun.v1.ListPackagesResponse\x12H\n\rDeletePackage\x12\x1f.kunlun.v1.DeletePackageRequest\x1a\x16.kunlun.v1.PackageInfo\x12G\n\rAddTrustedKey\x12\x1f.kunlun.v1.AddTrustedKeyRequest\x1a\x15.kunlun.v1.TrustedKey\x12M\n\x10RemoveTrustedKey\x12\".kunlun.v1.RemoveTrustedKeyRequest\x1a\x15.kunlun.v1.TrustedKey\x12X\n\x0fListTrustedKeys\x12!.kunlun.v1.ListTrustedKeysRequest\x1a\".kunlun.v1.ListTrustedKeysResponse\x12G\n\x0bPullPackage\x12\x1d.kunlun.v1.PullPackageRequest\x1a\x17.kunlun.v1.PackageChunk0\x01\x12P\n\x10GetPackagePolicy\x12\".kunlun.v1.GetPackagePolicyRequest\x1a\x18.kunlun.v1.PackagePolicy\x12P\n\x10SetPackagePolicy\x12\".kunlun.v1.SetPackagePolicyRequest\x1a\x18.kunlun.v1.PackagePolicyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kunlun/v1/package.proto\x12\tkunlun.v1\"n\n\nTrustedKey\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x16\n\x0epublic_key_pem\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x10\n\x08\x61\x64\x64\x65\x64_by\x18\x04 \x01(\t\x12\x18\n\x10\x61\x64\x64\x65\x64_at_unix_ms\x18\x05 \x01(\x03\"<\n\x14\x41\x64\x64TrustedKeyRequest\x12\x16\n\x0epublic_key_pem\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\")\n\x17RemoveTrustedKeyRequest\x12\x0e\n\x06key_id\x18\x01 \x01(\t\"\x18\n\x16ListTrustedKeysRequest\">\n\x17ListTrustedKeysResponse\x12#\n\x04keys\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.TrustedKey\" \n\x10PushPackageChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x9a\x02\n\x0bPackageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x15\n\rweight_format\x18\x05 \x01(\t\x12\x14\n\x0cquantization\x18\x06 \x01(\t\x12\x1c\n\x14min_device_memory_mb\x18\x07 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x1b\n\x13target_device_types\x18\t \x03(\t\x12\x11\n\tsigned_by\x18\n \x01(\t\x12\x11\n\tpushed_by\x18\x0b \x01(\t\x12\x19\n\x11pushed_at_unix_ms\x18\x0c \x01(\x03\x12\x0f\n\x07holders\x18\r \x03(\t\"<\n\x13ListPackagesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"k\n\x14ListPackagesResponse\x12(\n\x08packages\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.PackageInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\x03\"#\n\x14\x44\x65letePackageRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"1\n\x12PullPackageRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"v\n\x0cPackageChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x12\n\nchunk_size\x18\x05 \x01(\x03\x12\x0f\n\x07replica\x18\x06 \x01(\t\"`\n\rPackagePolicy\x12\x1f\n\x17require_signed_packages\x18\x01 \x01(\x08\x12\x12\n\nupdated_by\x18\x02 \x01(\t\x12\x1a\n\x12updated_at_unix_ms\x18\x03 \x01(\x03\"\x19\n\x17GetPackagePolicyRequest\":\n\x17SetPackagePolicyRequest\x12\x1f\n\x17require_signed_packages\x18\x01 \x01(\x08\x32\xd0\x05\n\x0ePackageService\x12\x44\n\x0bPushPackage\x12\x1b.kunlun.v1.PushPackageChunk\x1a\x16.kunlun.v1.PackageInfo(\x01\x12O\n\x0cListPackages\x12\x1e.kunlun.v1.ListPackagesRequest\x1a\x1f.kunlun.v1.ListPackagesResponse\x12H\n\rDeletePackage\x12\x1f.kunlun.v1.DeletePackageRequest\x1a\x16.kunlun.v1.PackageInfo\x12G\n\rAddTrustedKey\x12\x1f.kunlun.v1.AddTrustedKeyRequest\x1a\x15.kunlun.v1.TrustedKey\x12M\n\x10RemoveTrustedKey\x12\".kunlun.v1.RemoveTrustedKeyRequest\x1a\x15.kunlun.v1.TrustedKey\x12X\n\x0fListTrustedKeys\x12!.kunlun.v1.ListTrustedKeysRequest\x1a\".kunlun.v1.ListTrustedKeysResponse\x12G\n\x0bPullPackage\x12\x1d.kunlun.v1.PullPackageRequest\x1a\x17.kunlun.v1.PackageChunk0\x01\x12P\n\x10GetPackagePolicy\x12\".kunlun.v1.GetPackagePolicyRequest\x1a\x18.kunlun.v1.PackagePolicy\x12P\n\x10SetPackagePolicy\x12\".kunlun.v1.SetPackagePolicyRequest\x1a\x18.kunlun.v1.PackagePolicyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,21 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PACKAGEINFO']._serialized_start=380
   _globals['_PACKAGEINFO']._serialized_end=662
   _globals['_LISTPACKAGESREQUEST']._serialized_start=664
-  _globals['_LISTPACKAGESREQUEST']._serialized_end=685
-  _globals['_LISTPACKAGESRESPONSE']._serialized_start=687
-  _globals['_LISTPACKAGESRESPONSE']._serialized_end=751
-  _globals['_DELETEPACKAGEREQUEST']._serialized_start=753
-  _globals['_DELETEPACKAGEREQUEST']._serialized_end=788
-  _globals['_PULLPACKAGEREQUEST']._serialized_start=790
-  _globals['_PULLPACKAGEREQUEST']._serialized_end=839
-  _globals['_PACKAGECHUNK']._serialized_start=841
-  _globals['_PACKAGECHUNK']._serialized_end=959
-  _globals['_PACKAGEPOLICY']._serialized_start=961
-  _globals['_PACKAGEPOLICY']._serialized_end=1057
-  _globals['_GETPACKAGEPOLICYREQUEST']._serialized_start=1059
-  _globals['_GETPACKAGEPOLICYREQUEST']._serialized_end=1084
-  _globals['_SETPACKAGEPOLICYREQUEST']._serialized_start=1086
-  _globals['_SETPACKAGEPOLICYREQUEST']._serialized_end=1144
-  _globals['_PACKAGESERVICE']._serialized_start=1147
-  _globals['_PACKAGESERVICE']._serialized_end=1867
+  _globals['_LISTPACKAGESREQUEST']._serialized_end=724
+  _globals['_LISTPACKAGESRESPONSE']._serialized_start=726
+  _globals['_LISTPACKAGESRESPONSE']._serialized_end=833
+  _globals['_DELETEPACKAGEREQUEST']._serialized_start=835
+  _globals['_DELETEPACKAGEREQUEST']._serialized_end=870
+  _globals['_PULLPACKAGEREQUEST']._serialized_start=872
+  _globals['_PULLPACKAGEREQUEST']._serialized_end=921
+  _globals['_PACKAGECHUNK']._serialized_start=923
+  _globals['_PACKAGECHUNK']._serialized_end=1041
+  _globals['_PACKAGEPOLICY']._serialized_start=1043
+  _globals['_PACKAGEPOLICY']._serialized_end=1139
+  _globals['_GETPACKAGEPOLICYREQUEST']._serialized_start=1141
+  _globals['_GETPACKAGEPOLICYREQUEST']._serialized_end=1166
+  _globals['_SETPACKAGEPOLICYREQUEST']._serialized_start=1168
+  _globals['_SETPACKAGEPOLICYREQUEST']._serialized_end=1226
+  _globals['_PACKAGESERVICE']._serialized_start=1229
+  _globals['_PACKAGESERVICE']._serialized_end=1949
 # @@protoc_insertion_point(module_scope)

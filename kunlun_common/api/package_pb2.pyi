@@ -220,12 +220,25 @@ Global___PackageInfo: _TypeAlias = PackageInfo  # noqa: Y015
 class ListPackagesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many packages (1..1000), and fewer when a page would pass 1 MiB, in digest order, read
+    at one etcd revision; 0: every package at once (the answer then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -236,16 +249,24 @@ class ListPackagesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PACKAGES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def packages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PackageInfo]: ...
     def __init__(
         self,
         *,
         packages: _abc.Iterable[Global___PackageInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["packages", b"packages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "packages", b"packages", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

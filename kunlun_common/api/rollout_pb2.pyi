@@ -196,6 +196,7 @@ class Rollout(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     STEP_START_STATS_FIELD_NUMBER: _builtins.int
     LAST_ANALYSIS_FIELD_NUMBER: _builtins.int
+    LIVE_ANALYSIS_FIELD_NUMBER: _builtins.int
     workload_id: _builtins.str
     workload: _builtins.str
     baseline_model: _builtins.str
@@ -225,6 +226,10 @@ class Rollout(_message.Message):
 
     @_builtins.property
     def last_analysis(self) -> Global___RolloutAnalysis: ...
+    @_builtins.property
+    def live_analysis(self) -> Global___RolloutAnalysis:
+        """Filled in by GetRollout with live_analysis: the current step analysed at the time of the call."""
+
     def __init__(
         self,
         *,
@@ -245,10 +250,11 @@ class Rollout(_message.Message):
         history: _abc.Iterable[_workload_pb2.PhaseEvent] | None = ...,
         step_start_stats: _abc.Iterable[_gateway_pb2.GatewayStats] | None = ...,
         last_analysis: Global___RolloutAnalysis | None = ...,
+        live_analysis: Global___RolloutAnalysis | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -279,16 +285,22 @@ class RolloutRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    LIVE_ANALYSIS_FIELD_NUMBER: _builtins.int
     workload: _builtins.str
     """Workload name or id."""
+    live_analysis: _builtins.bool
+    """GetRollout only: also analyse the current step now, with the gateways' counters as stored
+    (`live_analysis`; nothing is written).
+    """
     def __init__(
         self,
         *,
         workload: _builtins.str = ...,
+        live_analysis: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["live_analysis", b"live_analysis", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -298,12 +310,25 @@ Global___RolloutRequest: _TypeAlias = RolloutRequest  # noqa: Y015
 class ListRolloutsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many rollouts (1..1000), and fewer when a page would pass 1 MiB, in workload id order, read
+    at one etcd revision; 0: every rollout at once (the answer then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -314,16 +339,24 @@ class ListRolloutsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLLOUTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Rollout]: ...
     def __init__(
         self,
         *,
         rollouts: _abc.Iterable[Global___Rollout] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rollouts", b"rollouts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "revision", b"revision", "rollouts", b"rollouts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kunlun/v1/telemetry.proto\x12\tkunlun.v1\"&\n\x14\x44\x65viceMetricsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\"\xb4\x02\n\x0c\x44\x65viceMetric\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x0e\n\x06vendor\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x0e\n\x06health\x18\x07 \x01(\t\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\t \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x03\x12\x15\n\rtemperature_c\x18\x0b \x01(\x01\x12\x0f\n\x07power_w\x18\x0c \x01(\x01\x12\x1a\n\x12sampled_at_unix_ms\x18\r \x01(\x03\x12\x10\n\x08instance\x18\x0e \x01(\t\x12\x10\n\x08workload\x18\x0f \x01(\t\"e\n\x15\x44\x65viceMetricsResponse\x12(\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x17.kunlun.v1.DeviceMetric\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x13\n\x0b\x61nswered_by\x18\x03 \x01(\t\"\x10\n\x0eTargetsRequest\":\n\x0cScrapeTarget\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\";\n\x0fTargetsResponse\x12(\n\x07targets\x18\x01 \x03(\x0b\x32\x17.kunlun.v1.ScrapeTarget2\xa8\x01\n\x10TelemetryService\x12R\n\rDeviceMetrics\x12\x1f.kunlun.v1.DeviceMetricsRequest\x1a .kunlun.v1.DeviceMetricsResponse\x12@\n\x07Targets\x12\x19.kunlun.v1.TargetsRequest\x1a\x1a.kunlun.v1.TargetsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kunlun/v1/telemetry.proto\x12\tkunlun.v1\"M\n\x14\x44\x65viceMetricsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xb4\x02\n\x0c\x44\x65viceMetric\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x0e\n\x06vendor\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x0e\n\x06health\x18\x07 \x01(\t\x12\x13\n\x0butilization\x18\x08 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\t \x01(\x03\x12\x1a\n\x12memory_total_bytes\x18\n \x01(\x03\x12\x15\n\rtemperature_c\x18\x0b \x01(\x01\x12\x0f\n\x07power_w\x18\x0c \x01(\x01\x12\x1a\n\x12sampled_at_unix_ms\x18\r \x01(\x03\x12\x10\n\x08instance\x18\x0e \x01(\t\x12\x10\n\x08workload\x18\x0f \x01(\t\"\x90\x01\n\x15\x44\x65viceMetricsResponse\x12(\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x17.kunlun.v1.DeviceMetric\x12\r\n\x05total\x18\x02 \x01(\x05\x12\x13\n\x0b\x61nswered_by\x18\x03 \x01(\t\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\x03\"\x10\n\x0eTargetsRequest\":\n\x0cScrapeTarget\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\";\n\x0fTargetsResponse\x12(\n\x07targets\x18\x01 \x03(\x0b\x32\x17.kunlun.v1.ScrapeTarget2\xa8\x01\n\x10TelemetryService\x12R\n\rDeviceMetrics\x12\x1f.kunlun.v1.DeviceMetricsRequest\x1a .kunlun.v1.DeviceMetricsResponse\x12@\n\x07Targets\x12\x19.kunlun.v1.TargetsRequest\x1a\x1a.kunlun.v1.TargetsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kunlun.v1.telemetry_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DEVICEMETRICSREQUEST']._serialized_start=40
-  _globals['_DEVICEMETRICSREQUEST']._serialized_end=78
-  _globals['_DEVICEMETRIC']._serialized_start=81
-  _globals['_DEVICEMETRIC']._serialized_end=389
-  _globals['_DEVICEMETRICSRESPONSE']._serialized_start=391
-  _globals['_DEVICEMETRICSRESPONSE']._serialized_end=492
-  _globals['_TARGETSREQUEST']._serialized_start=494
-  _globals['_TARGETSREQUEST']._serialized_end=510
-  _globals['_SCRAPETARGET']._serialized_start=512
-  _globals['_SCRAPETARGET']._serialized_end=570
-  _globals['_TARGETSRESPONSE']._serialized_start=572
-  _globals['_TARGETSRESPONSE']._serialized_end=631
-  _globals['_TELEMETRYSERVICE']._serialized_start=634
-  _globals['_TELEMETRYSERVICE']._serialized_end=802
+  _globals['_DEVICEMETRICSREQUEST']._serialized_end=117
+  _globals['_DEVICEMETRIC']._serialized_start=120
+  _globals['_DEVICEMETRIC']._serialized_end=428
+  _globals['_DEVICEMETRICSRESPONSE']._serialized_start=431
+  _globals['_DEVICEMETRICSRESPONSE']._serialized_end=575
+  _globals['_TARGETSREQUEST']._serialized_start=577
+  _globals['_TARGETSREQUEST']._serialized_end=593
+  _globals['_SCRAPETARGET']._serialized_start=595
+  _globals['_SCRAPETARGET']._serialized_end=653
+  _globals['_TARGETSRESPONSE']._serialized_start=655
+  _globals['_TARGETSRESPONSE']._serialized_end=714
+  _globals['_TELEMETRYSERVICE']._serialized_start=717
+  _globals['_TELEMETRYSERVICE']._serialized_end=885
 # @@protoc_insertion_point(module_scope)

@@ -25,18 +25,31 @@ class DeviceMetricsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FILTER_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     filter: _builtins.str
     """Comma-separated conditions, all of which must hold: `device_type==cambricon`,
     `node=~node-a|node-b`, `utilization>0.8`, `temperature>=70`, `status!=Ready`.
+    """
+    page_size: _builtins.int
+    """At most this many devices (1..1000) before filtering, and fewer when a page would pass 1 MiB,
+    node by node in name order, read at one etcd revision; 0: every device at once (the answer
+    then grows with the cluster).
+    """
+    page_token: _builtins.str
+    """`next_page_token` of the previous page: the next page is read at that page's revision, so the
+    pages together are one consistent listing. Empty: the first page.
     """
     def __init__(
         self,
         *,
         filter: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -114,9 +127,15 @@ class DeviceMetricsResponse(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     TOTAL_FIELD_NUMBER: _builtins.int
     ANSWERED_BY_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     total: _builtins.int
-    """How many devices the cluster has before filtering."""
+    """How many devices the cluster has before filtering (paged: this page's devices before filtering)."""
     answered_by: _builtins.str
+    next_page_token: _builtins.str
+    """Set when more pages follow (paged listings only)."""
+    revision: _builtins.int
+    """The etcd revision every page of this listing was read at (paged listings only)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceMetric]: ...
     def __init__(
@@ -125,10 +144,12 @@ class DeviceMetricsResponse(_message.Message):
         devices: _abc.Iterable[Global___DeviceMetric] | None = ...,
         total: _builtins.int = ...,
         answered_by: _builtins.str = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_by", b"answered_by", "devices", b"devices", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_by", b"answered_by", "devices", b"devices", "next_page_token", b"next_page_token", "revision", b"revision", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -367,8 +367,9 @@ class Instance(_message.Message):
     @_builtins.property
     def spec(self) -> Global___WorkloadSpec:
         """The spec this instance was placed with (set by the scheduler at placement; replicas cleared):
-        during a rolling update the old instances keep running theirs. Unset (older records): the
-        workload's current spec.
+        during a rolling update the old instances keep running theirs. Unset (older records, and in
+        API summaries whenever it is the workload's current spec, which the summary carries once): the
+        workload's current spec. Secrets redacted for non-operators, like the workload's.
         """
 
     def __init__(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import MalformedPackageError, SignatureError
 from kunlun_common.modelpkg.signing import MAX_SIG_BYTES, TrustedKeys, check_signature, sign_manifest
 
@@ -27,9 +28,25 @@ def _read(path: Path, limit: int, what: str) -> bytes:
         with path.open("rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
-        raise SignatureError(f"{path}: cannot read {what} ({e.strerror})") from None
+        raise SignatureError(
+            msg(
+                "package.detached.cannot_read",
+                "{path}: cannot read {what} ({strerror})",
+                path=path,
+                what=what,
+                strerror=e.strerror,
+            )
+        ) from None
     if len(data) > limit:
-        raise SignatureError(f"{path}: {what} larger than {limit} bytes")
+        raise SignatureError(
+            msg(
+                "package.detached.larger_than_bytes",
+                "{path}: {what} larger than {limit} bytes",
+                path=path,
+                what=what,
+                limit=limit,
+            )
+        )
     return data
 
 
@@ -49,8 +66,12 @@ def read_verified(path: Path, trusted: TrustedKeys) -> tuple[bytes, str]:
     sp = sig_path(path)
     if not sp.exists():
         raise SignatureError(
-            f"{path} is unsigned (no {sp.name} next to it); sign it with "
-            "`kunlun-cli declaration sign FILE --sign-key KEY` or turn the signature requirement off"
+            msg(
+                "package.detached.unsigned_no_next_sign",
+                "{path} is unsigned (no {name} next to it); sign it with `kunlun-cli declaration sign FILE --sign-key KEY` or turn the signature requirement off",
+                path=path,
+                name=sp.name,
+            )
         )
     sig = _read(sp, MAX_SIG_BYTES, "the signature")
     try:
@@ -60,8 +81,12 @@ def read_verified(path: Path, trusted: TrustedKeys) -> tuple[bytes, str]:
     except SignatureError as e:
         if "does not match" in str(e):
             raise SignatureError(
-                f"{path} changed since it was signed ({sp.name} does not match its bytes); "
-                "review the change and sign it again"
+                msg(
+                    "package.detached.changed_since_was_signed",
+                    "{path} changed since it was signed ({name} does not match its bytes); review the change and sign it again",
+                    path=path,
+                    name=sp.name,
+                )
             ) from None
         raise SignatureError(f"{path}: {e}") from None
     return data, kid

@@ -6,6 +6,7 @@ Every error is permanent (a retry reads the same bytes): the package or the trus
 from __future__ import annotations
 
 from kunlun_common.errors import PermanentError
+from kunlun_common.messages import Message
 
 EXIT_OK = 0
 EXIT_USAGE = 1  # the command could not run: file missing, bad flag, unreadable key
@@ -37,7 +38,7 @@ class ContentError(PackageError):
 
     exit_code = EXIT_CONTENT
 
-    def __init__(self, message: str, path: str) -> None:
+    def __init__(self, message: str | Message, path: str) -> None:
         super().__init__(message)
         self.path = path
 

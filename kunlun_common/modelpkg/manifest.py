@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import MalformedPackageError
 from kunlun_common.modelpkg.weights import QUANT_BITS
 
@@ -102,18 +103,28 @@ def parse_manifest(data: bytes) -> Manifest:
     try:
         doc = json.loads(data)
     except ValueError as e:
-        raise MalformedPackageError(f"manifest.json is not JSON: {e}") from None
+        raise MalformedPackageError(
+            msg("package.manifest.manifest_json_not_json", "manifest.json is not JSON: {e}", e=e)
+        ) from None
     problems: list[str] = []
 
     def bad(f: str, why: str) -> None:
         problems.append(f"{f}: {why}")
 
     if not isinstance(doc, dict):
-        raise MalformedPackageError("manifest.json: expected an object")
+        raise MalformedPackageError(
+            msg("package.manifest.manifest_json_expected_object", "manifest.json: expected an object")
+        )
     if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
         raise MalformedPackageError(
-            f"manifest.json: format {doc.get('format')!r} version {doc.get('format_version')!r}; "
-            f"this tool reads {FORMAT} version {FORMAT_VERSION}"
+            msg(
+                "package.manifest.manifest_json_format_version",
+                "manifest.json: format {get!r} version {get2!r}; this tool reads {format} version {format_version}",
+                get=doc.get("format"),
+                get2=doc.get("format_version"),
+                format=FORMAT,
+                format_version=FORMAT_VERSION,
+            )
         )
     known = {f for f in Manifest.__dataclass_fields__}
     for k in doc:
@@ -122,7 +133,9 @@ def parse_manifest(data: bytes) -> Manifest:
     for k in known - set(doc):
         bad(k, "missing")
     if problems:
-        raise MalformedPackageError("manifest.json: " + "; ".join(problems))
+        raise MalformedPackageError(
+            msg("package.manifest.manifest_json", "manifest.json: {items}", items="; ".join(problems))
+        )
     if not isinstance(doc["name"], str) or not NAME_RE.match(doc["name"]):
         bad("name", "expected lowercase letters, digits, '.', '_', '-' (at most 63)")
     for k in ("version", "created_at", "engine", "engine_version"):
@@ -166,7 +179,9 @@ def parse_manifest(data: bytes) -> Manifest:
             seen.add(str(f["path"]))
             entries.append(FileEntry(f["path"], f["size"], f["sha256"]))
     if problems:
-        raise MalformedPackageError("manifest.json: " + "; ".join(problems))
+        raise MalformedPackageError(
+            msg("package.manifest.manifest_json_2", "manifest.json: {items}", items="; ".join(problems))
+        )
     fields = {k: doc[k] for k in known if k != "files"}
     return Manifest(**fields, files=entries)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.modelpkg import profiles, weights
 from kunlun_common.modelpkg.errors import PackInputError
 from kunlun_common.modelpkg.manifest import (
@@ -79,11 +80,24 @@ def _walk(root: Path, prefix: str) -> list[tuple[str, Path]]:
         for fn in sorted(filenames):
             src = Path(dirpath) / fn
             if src.is_symlink() or not src.is_file():
-                raise PackInputError(f"{src}: not a regular file (links and devices cannot be packed)")
+                raise PackInputError(
+                    msg(
+                        "package.pack.not_regular_file_links",
+                        "{src}: not a regular file (links and devices cannot be packed)",
+                        src=src,
+                    )
+                )
             rel = src.relative_to(root).as_posix()
             out.append((f"{prefix}/{rel}", src))
     if len(out) > MAX_FILES:
-        raise PackInputError(f"{root}: more than {MAX_FILES} files")
+        raise PackInputError(
+            msg(
+                "package.pack.more_than_files",
+                "{root}: more than {max_files} files",
+                root=root,
+                max_files=MAX_FILES,
+            )
+        )
     return out
 
 
@@ -102,21 +116,40 @@ def plan_manifest(
     """The manifest (every file hashed) and the files to copy, with the stat each must still have."""
     if not opts.model_dir.is_dir():
         raise PackInputError(
-            f"{opts.model_dir}: not a folder; give the model folder (config.json and weights)"
+            msg(
+                "package.pack.not_folder_give_model",
+                "{model_dir}: not a folder; give the model folder (config.json and weights)",
+                model_dir=opts.model_dir,
+            )
         )
     name = opts.name or opts.model_dir.resolve().name.lower()
     if not NAME_RE.match(name):
         raise PackInputError(
-            f"package name {name!r}: use lowercase letters, digits, '.', '_', '-'; pass --name"
+            msg(
+                "package.pack.package_name_use_lowercase",
+                "package name {name!r}: use lowercase letters, digits, '.', '_', '-'; pass --name",
+                name=name,
+            )
         )
     if opts.quantization is not None and opts.quantization not in weights.QUANT_BITS:
         raise PackInputError(
-            f"--quantize {opts.quantization!r}: expected one of {', '.join(weights.QUANT_BITS)}"
+            msg(
+                "package.pack.quantize_expected_one",
+                "--quantize {quantization!r}: expected one of {items}",
+                quantization=opts.quantization,
+                items=", ".join(weights.QUANT_BITS),
+            )
         )
     files = _walk(opts.model_dir, MODEL_DIR)
     if opts.compile_cache is not None:
         if not opts.compile_cache.is_dir():
-            raise PackInputError(f"--compile-cache {opts.compile_cache}: not a folder")
+            raise PackInputError(
+                msg(
+                    "package.pack.compile_cache_not_folder",
+                    "--compile-cache {compile_cache}: not a folder",
+                    compile_cache=opts.compile_cache,
+                )
+            )
         files += _walk(opts.compile_cache, CACHE_DIR)
     rels = [a[len(MODEL_DIR) + 1 :] for a, _ in files if a.startswith(MODEL_DIR + "/")]
     info = weights.detect(opts.model_dir, rels)
@@ -165,7 +198,7 @@ def _check_profiles(
     profs: list[dict[str, Any]], quant: str | None, info: weights.WeightInfo, min_mb: int
 ) -> None:
     """The pitfalls, caught at pack time: a precision the device refuses, a model too big for it."""
-    problems: list[str] = []
+    problems: list[Message] = []
     for p in profs:
         where = f"{p['device_type']}:{p['device_id']}" if p["device_id"] is not None else p["device_type"]
         dtypes = p.get("supported_dtypes")
@@ -174,22 +207,42 @@ def _check_profiles(
             refused = [d for d in wanted if d not in dtypes]
             if refused:
                 problems.append(
-                    f"{where} does not support {', '.join(refused)} (supported_dtypes: {', '.join(map(str, dtypes))}); "
-                    "choose another --quantize or target"
+                    msg(
+                        "package.pack.does_not_support_supported",
+                        "{where} does not support {items} (supported_dtypes: {items2}); choose another --quantize or target",
+                        where=where,
+                        items=", ".join(refused),
+                        items2=", ".join(map(str, dtypes)),
+                    )
                 )
         hbm = p.get("hbm_memory_mb")
         if isinstance(hbm, int) and min_mb > hbm:
             problems.append(
-                f"{where} has {hbm} MiB of device memory; the package needs at least {min_mb} MiB; "
-                "quantize further or choose a larger device"
+                msg(
+                    "package.pack.has_mib_device_memory",
+                    "{where} has {hbm} MiB of device memory; the package needs at least {min_mb} MiB; quantize further or choose a larger device",
+                    where=where,
+                    hbm=hbm,
+                    min_mb=min_mb,
+                )
             )
     if problems:
-        raise PackInputError("cannot pack for the target device:\n  " + "\n  ".join(problems))
+        raise PackInputError(
+            msg_list(
+                "package.pack.cannot_pack_for_target", "cannot pack for the target device:\n{parts}", problems
+            )
+        )
 
 
 def pack(opts: PackOptions, key: Ed25519PrivateKey | None, progress: Progress | None = None) -> PackResult:
     if opts.output.exists():
-        raise PackInputError(f"{opts.output} exists; remove it or choose another --output")
+        raise PackInputError(
+            msg(
+                "package.pack.exists_remove_choose_another",
+                "{output} exists; remove it or choose another --output",
+                output=opts.output,
+            )
+        )
     manifest, stats = plan_manifest(opts, progress)
     mbytes = manifest.canonical()
     partial = opts.output.with_name(opts.output.name + ".partial")
@@ -206,10 +259,22 @@ def pack(opts: PackOptions, key: Ed25519PrivateKey | None, progress: Progress | 
                 with src.open("rb", buffering=0) as f:
                     now = os.fstat(f.fileno())
                     if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
-                        raise PackInputError(f"{src} changed while packing; pack again when it is stable")
+                        raise PackInputError(
+                            msg(
+                                "package.pack.changed_while_packing_pack_2",
+                                "{src} changed while packing; pack again when it is stable",
+                                src=src,
+                            )
+                        )
                     w.add_stream(arc, f, st.st_size, int(st.st_mtime), h.update if h else _noop)
                 if h is not None and h.hexdigest() != entry.sha256:
-                    raise PackInputError(f"{src} changed while packing; pack again when it is stable")
+                    raise PackInputError(
+                        msg(
+                            "package.pack.changed_while_packing_pack",
+                            "{src} changed while packing; pack again when it is stable",
+                            src=src,
+                        )
+                    )
                 done += entry.size
                 if progress:
                     progress("writing", done, total)

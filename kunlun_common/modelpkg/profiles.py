@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.names import DEVICE_TYPES
 
 TARGET_RE = re.compile(r"^(?P<type>[a-z]+)(:(?P<index>\d+))?$")
@@ -35,7 +36,12 @@ def parse_target(text: str) -> tuple[str, int | None]:
     m = TARGET_RE.match(text)
     if not m or m["type"] not in DEVICE_TYPES:
         raise ConfigError(
-            f"--target-device {text!r}: expected TYPE[:INDEX] with TYPE one of {', '.join(DEVICE_TYPES)}, e.g. ascend:0"
+            msg(
+                "package.profiles.target_device_expected_type",
+                "--target-device {text!r}: expected TYPE[:INDEX] with TYPE one of {items}, e.g. ascend:0",
+                text=text,
+                items=", ".join(DEVICE_TYPES),
+            )
         )
     return m["type"], int(m["index"]) if m["index"] is not None else None
 
@@ -46,7 +52,14 @@ def snapshot(config_path: Path, device_type: str, index: int | None) -> dict[str
         raw = config_path.read_bytes()
         doc = yaml.safe_load(raw)
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{config_path}: cannot read the device declaration ({e})") from None
+        raise ConfigError(
+            msg(
+                "package.profiles.cannot_read_device_declaration",
+                "{config_path}: cannot read the device declaration ({e})",
+                config_path=config_path,
+                e=e,
+            )
+        ) from None
     devices = doc.get("devices") if isinstance(doc, dict) else None
     node = (
         doc.get("node", {}).get("name")
@@ -67,4 +80,11 @@ def snapshot(config_path: Path, device_type: str, index: int | None) -> dict[str
         prof["declaration_sha256"] = hashlib.sha256(raw).hexdigest()
         return prof
     where = f"{device_type}:{index}" if index is not None else device_type
-    raise ConfigError(f"{config_path}: declares no device {where}; check --target-device or --device-config")
+    raise ConfigError(
+        msg(
+            "package.profiles.declares_no_device_check",
+            "{config_path}: declares no device {where}; check --target-device or --device-config",
+            config_path=config_path,
+            where=where,
+        )
+    )

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import MalformedPackageError, SignatureError
 
 ALGORITHM = "ed25519"
@@ -37,7 +38,11 @@ def generate_keypair(private_path: Path, public_path: Path) -> str:
     """Write a new private key (PKCS#8 PEM, mode 0600, never overwritten) and its public key; return the id."""
     if private_path.exists() or public_path.exists():
         raise ConfigError(
-            f"{private_path if private_path.exists() else public_path} exists; choose another name"
+            msg(
+                "package.signing.exists_choose_another_name",
+                "{value} exists; choose another name",
+                value=private_path if private_path.exists() else public_path,
+            )
         )
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
@@ -59,10 +64,21 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(
-            f"{path}: not a readable unencrypted PEM private key ({e}); make one with `model keygen`"
+            msg(
+                "package.signing.not_readable_unencrypted_pem",
+                "{path}: not a readable unencrypted PEM private key ({e}); make one with `model keygen`",
+                path=path,
+                e=e,
+            )
         ) from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError(f"{path}: not an Ed25519 key; make one with `kunlun-cli model keygen`")
+        raise ConfigError(
+            msg(
+                "package.signing.not_ed_key_make",
+                "{path}: not an Ed25519 key; make one with `kunlun-cli model keygen`",
+                path=path,
+            )
+        )
     return key
 
 
@@ -71,10 +87,21 @@ def parse_public_key(pem: bytes, source: str) -> Ed25519PublicKey:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as e:
         raise ConfigError(
-            f"{source}: not a PEM public key ({e}); use the .pub file from `model keygen`"
+            msg(
+                "package.signing.not_pem_public_key",
+                "{source}: not a PEM public key ({e}); use the .pub file from `model keygen`",
+                source=source,
+                e=e,
+            )
         ) from None
     if not isinstance(key, Ed25519PublicKey):
-        raise ConfigError(f"{source}: not an Ed25519 public key; use the .pub file from `model keygen`")
+        raise ConfigError(
+            msg(
+                "package.signing.not_ed_public_key",
+                "{source}: not an Ed25519 public key; use the .pub file from `model keygen`",
+                source=source,
+            )
+        )
     return key
 
 
@@ -95,7 +122,14 @@ class TrustedKeys:
             try:
                 pem = f.read_bytes()
             except OSError as e:
-                raise ConfigError(f"{f}: cannot read trusted key ({e.strerror})") from None
+                raise ConfigError(
+                    msg(
+                        "package.signing.cannot_read_trusted_key",
+                        "{f}: cannot read trusted key ({strerror})",
+                        f=f,
+                        strerror=e.strerror,
+                    )
+                ) from None
             k = parse_public_key(pem, str(f))
             keys[key_id(k)] = k
         return cls(keys)
@@ -128,7 +162,13 @@ def read_signature(sig_bytes: bytes) -> tuple[str, bytes]:
             raise ValueError("key_id and signature must be strings")
         return kid, base64.b64decode(sig_b64, validate=True)
     except (ValueError, KeyError, binascii.Error) as e:
-        raise MalformedPackageError(f"manifest.sig is not a valid signature document: {e}") from None
+        raise MalformedPackageError(
+            msg(
+                "package.signing.manifest_sig_not_valid",
+                "manifest.sig is not a valid signature document: {e}",
+                e=e,
+            )
+        ) from None
 
 
 def check_signature(manifest_bytes: bytes, sig_bytes: bytes, trusted: TrustedKeys) -> str:
@@ -137,13 +177,20 @@ def check_signature(manifest_bytes: bytes, sig_bytes: bytes, trusted: TrustedKey
     key = trusted.keys.get(kid)
     if key is None:
         raise SignatureError(
-            f"manifest signed by untrusted key {kid}; trust its public key "
-            "(`model verify --trusted-key FILE.pub`, or `model trust add` in the cluster) if you know its owner"
+            msg(
+                "package.signing.manifest_signed_by_untrusted",
+                "manifest signed by untrusted key {kid}; trust its public key (`model verify --trusted-key FILE.pub`, or `model trust add` in the cluster) if you know its owner",
+                kid=kid,
+            )
         )
     try:
         key.verify(sig, manifest_bytes)
     except InvalidSignature:
         raise SignatureError(
-            f"manifest.sig does not match manifest.json (key {kid}): the manifest was changed after signing"
+            msg(
+                "package.signing.manifest_sig_does_not",
+                "manifest.sig does not match manifest.json (key {kid}): the manifest was changed after signing",
+                kid=kid,
+            )
         ) from None
     return kid

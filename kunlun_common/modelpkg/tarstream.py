@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import MalformedPackageError
 
 BLOCK = 512
@@ -64,7 +65,14 @@ class TarWriter:
         while left:
             n = src.readinto(mv[: min(CHUNK, left)])  # type: ignore[attr-defined]
             if not n:
-                raise MalformedPackageError(f"{name}: file shrank while being packed ({left} bytes missing)")
+                raise MalformedPackageError(
+                    msg(
+                        "package.tarstream.file_shrank_while_being",
+                        "{name}: file shrank while being packed ({left} bytes missing)",
+                        name=name,
+                        left=left,
+                    )
+                )
             on_chunk(mv[:n])
             if self._seekable and (self._buf == _ZEROS if n == CHUNK else self._buf[:n] == _ZEROS[:n]):
                 self._hole += n
@@ -99,7 +107,14 @@ class TarReader:
     def _read_exact(self, n: int, what: str) -> bytes:
         data = self.src.read(n)
         if len(data) != n:
-            raise MalformedPackageError(f"archive truncated in {what} at byte {self.offset + len(data)}")
+            raise MalformedPackageError(
+                msg(
+                    "package.tarstream.archive_truncated_at_byte",
+                    "archive truncated in {what} at byte {value}",
+                    what=what,
+                    value=self.offset + len(data),
+                )
+            )
         self.offset += n
         return data
 
@@ -112,10 +127,20 @@ class TarReader:
             raw = self.src.read(BLOCK)
             if len(raw) == 0 and not pax:
                 raise MalformedPackageError(
-                    f"archive truncated at byte {self.offset}: no end-of-archive marker"
+                    msg(
+                        "package.tarstream.archive_truncated_at_byte_2",
+                        "archive truncated at byte {offset}: no end-of-archive marker",
+                        offset=self.offset,
+                    )
                 )
             if len(raw) != BLOCK:
-                raise MalformedPackageError(f"archive truncated in a member header at byte {self.offset}")
+                raise MalformedPackageError(
+                    msg(
+                        "package.tarstream.archive_truncated_member_header",
+                        "archive truncated in a member header at byte {offset}",
+                        offset=self.offset,
+                    )
+                )
             self.offset += BLOCK
             if raw.count(0) == BLOCK:  # end-of-archive marker
                 return None
@@ -123,24 +148,45 @@ class TarReader:
                 ti = tarfile.TarInfo.frombuf(raw, "utf-8", "strict")
             except (tarfile.HeaderError, UnicodeDecodeError) as e:
                 raise MalformedPackageError(
-                    f"not a package: bad tar header at byte {self.offset - BLOCK} ({e})"
+                    msg(
+                        "package.tarstream.not_package_bad_tar",
+                        "not a package: bad tar header at byte {value} ({e})",
+                        value=self.offset - BLOCK,
+                        e=e,
+                    )
                 ) from None
             if ti.type == tarfile.XHDTYPE:
                 if ti.size > MAX_PAX_BYTES:
                     raise MalformedPackageError(
-                        f"pax header of {ti.size} bytes at byte {self.offset}: too large"
+                        msg(
+                            "package.tarstream.pax_header_bytes_at",
+                            "pax header of {size} bytes at byte {offset}: too large",
+                            size=ti.size,
+                            offset=self.offset,
+                        )
                     )
                 pax.update(_parse_pax(self._read_exact(ti.size + _pad(ti.size), "a pax header")[: ti.size]))
                 continue
             if ti.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
                 raise MalformedPackageError(
-                    f"member {ti.name!r} is not a regular file (tar type {ti.type!r}); packages hold only files"
+                    msg(
+                        "package.tarstream.member_not_regular_file",
+                        "member {name!r} is not a regular file (tar type {type}); packages hold only files",
+                        name=ti.name,
+                        type=repr(ti.type),  # bytes: shown as Python shows them (b'2')
+                    )
                 )
             name = pax.get("path", ti.name)
             try:
                 size = int(pax["size"]) if "size" in pax else ti.size
             except ValueError:
-                raise MalformedPackageError(f"not a package: pax size of {name!r} is not a number") from None
+                raise MalformedPackageError(
+                    msg(
+                        "package.tarstream.not_package_pax_size",
+                        "not a package: pax size of {name!r} is not a number",
+                        name=name,
+                    )
+                ) from None
             self._current, self._left = Member(name, size), size
             return self._current
 
@@ -149,7 +195,15 @@ class TarReader:
         assert self._current is not None
         size = self._current.size
         if size > limit:
-            raise MalformedPackageError(f"{self._current.name} is {size} bytes; at most {limit} allowed")
+            raise MalformedPackageError(
+                msg(
+                    "package.tarstream.bytes_at_most_allowed",
+                    "{name} is {size} bytes; at most {limit} allowed",
+                    name=self._current.name,
+                    size=size,
+                    limit=limit,
+                )
+            )
         data = self._read_exact(size, self._current.name)
         self._read_exact(_pad(size), self._current.name)
         self._left = 0
@@ -166,7 +220,13 @@ class TarReader:
             n = readinto(mv[:want])
             if not n:
                 raise MalformedPackageError(
-                    f"archive truncated inside {name}: {size - self._left} of {size} bytes present"
+                    msg(
+                        "package.tarstream.archive_truncated_inside_bytes",
+                        "archive truncated inside {name}: {value} of {size} bytes present",
+                        name=name,
+                        value=size - self._left,
+                        size=size,
+                    )
                 )
             self.offset += n
             self._left -= n
@@ -191,5 +251,7 @@ def _parse_pax(data: bytes) -> dict[str, str]:
             if length <= 0:
                 raise ValueError("zero-length record")
     except (ValueError, UnicodeDecodeError) as e:
-        raise MalformedPackageError(f"not a package: bad pax header ({e})") from None
+        raise MalformedPackageError(
+            msg("package.tarstream.not_package_bad_pax", "not a package: bad pax header ({e})", e=e)
+        ) from None
     return out

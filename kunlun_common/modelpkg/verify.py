@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import ContentError, MalformedPackageError, SignatureError
 from kunlun_common.modelpkg.manifest import (
     MANIFEST_NAME,
@@ -54,7 +55,14 @@ def _read_head(reader: TarReader) -> tuple[bytes, bytes | None, Member | None]:
     first = reader.next()
     if first is None or first.name != MANIFEST_NAME:
         found = "nothing" if first is None else repr(first.name)
-        raise MalformedPackageError(f"not a package: the first member is {found}, expected {MANIFEST_NAME}")
+        raise MalformedPackageError(
+            msg(
+                "package.verify.not_package_first_member",
+                "not a package: the first member is {found}, expected {manifest_name}",
+                found=found,
+                manifest_name=MANIFEST_NAME,
+            )
+        )
     mbytes = reader.read_small(MAX_MANIFEST_BYTES)
     nxt = reader.next()
     sig = None
@@ -77,7 +85,14 @@ def _open(path: Path) -> BinaryIO:
     try:
         return path.open("rb", buffering=0)
     except OSError as e:
-        raise MalformedPackageError(f"{path}: cannot open ({e.strerror})") from None
+        raise MalformedPackageError(
+            msg(
+                "package.verify.cannot_open",
+                "{path}: cannot open ({strerror})",
+                path=path,
+                strerror=e.strerror,
+            )
+        ) from None
 
 
 def verify_stream(
@@ -99,7 +114,10 @@ def verify_stream(
         kid = check_signature(mbytes, sig, trusted)
     elif require_signature:
         raise SignatureError(
-            "package is unsigned (no manifest.sig); pack it with --sign-key, or allow unsigned packages"
+            msg(
+                "package.verify.package_unsigned_no_manifest",
+                "package is unsigned (no manifest.sig); pack it with --sign-key, or allow unsigned packages",
+            )
         )
     manifest = parse_manifest(mbytes)
     head = Head(manifest, mbytes, sig, digest_of(mbytes), kid)
@@ -114,7 +132,13 @@ def verify_stream(
         seen.add(member.name)
         if member.size != entry.size:
             raise ContentError(
-                f"{member.name}: {member.size} bytes in the archive, the manifest says {entry.size}",
+                msg(
+                    "package.verify.bytes_archive_manifest_says",
+                    "{name}: {size} bytes in the archive, the manifest says {size2}",
+                    name=member.name,
+                    size=member.size,
+                    size2=entry.size,
+                ),
                 member.name,
             )
         h = hashlib.sha256()
@@ -132,8 +156,13 @@ def verify_stream(
                 reader.read_into(sink)
         if h.hexdigest() != entry.sha256:
             raise ContentError(
-                f"{member.name}: SHA-256 {h.hexdigest()[:16]}… differs from the manifest's "
-                f"{entry.sha256[:16]}… (the file was changed after packing)",
+                msg(
+                    "package.verify.sha_differs_from_manifest",
+                    "{name}: SHA-256 {value}… differs from the manifest's {value2}… (the file was changed after packing)",
+                    name=member.name,
+                    value=h.hexdigest()[:16],
+                    value2=entry.sha256[:16],
+                ),
                 member.name,
             )
         done += member.size
@@ -143,7 +172,12 @@ def verify_stream(
     for e in manifest.files:
         if e.path not in seen:
             raise ContentError(
-                f"{e.path}: listed in the manifest but missing from the package (removed)", e.path
+                msg(
+                    "package.verify.listed_manifest_but_missing",
+                    "{path}: listed in the manifest but missing from the package (removed)",
+                    path=e.path,
+                ),
+                e.path,
             )
     return Verified(head, kid, done)
 

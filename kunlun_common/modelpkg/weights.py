@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kunlun_common.messages import msg
 from kunlun_common.modelpkg.errors import PackInputError
 
 SAFETENSORS_EXT = (".safetensors",)
@@ -80,16 +81,42 @@ def _safetensors_header(path: Path, rel: str) -> dict[str, Any]:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise PackInputError(f"{rel}: not a safetensors file (shorter than its 8-byte header length)")
+            raise PackInputError(
+                msg(
+                    "package.weights.not_safetensors_file_shorter",
+                    "{rel}: not a safetensors file (shorter than its 8-byte header length)",
+                    rel=rel,
+                )
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_SAFETENSORS_HEADER or n + 8 > size:
-            raise PackInputError(f"{rel}: not a safetensors file (header length {n} does not fit the file)")
+            raise PackInputError(
+                msg(
+                    "package.weights.not_safetensors_file_header_2",
+                    "{rel}: not a safetensors file (header length {n} does not fit the file)",
+                    rel=rel,
+                    n=n,
+                )
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
-            raise PackInputError(f"{rel}: not a safetensors file (header is not JSON: {e})") from None
+            raise PackInputError(
+                msg(
+                    "package.weights.not_safetensors_file_header_3",
+                    "{rel}: not a safetensors file (header is not JSON: {e})",
+                    rel=rel,
+                    e=e,
+                )
+            ) from None
     if not isinstance(header, dict):
-        raise PackInputError(f"{rel}: not a safetensors file (header is not an object)")
+        raise PackInputError(
+            msg(
+                "package.weights.not_safetensors_file_header",
+                "{rel}: not a safetensors file (header is not an object)",
+                rel=rel,
+            )
+        )
     return header
 
 
@@ -97,10 +124,22 @@ def _check_magic(path: Path, rel: str, fmt: str) -> None:
     with path.open("rb") as f:
         head = f.read(4)
     if fmt == "gguf" and head != b"GGUF":
-        raise PackInputError(f"{rel}: not a GGUF file (no GGUF magic); rename it or convert the weights")
+        raise PackInputError(
+            msg(
+                "package.weights.not_gguf_file_no",
+                "{rel}: not a GGUF file (no GGUF magic); rename it or convert the weights",
+                rel=rel,
+            )
+        )
     # torch.save writes a zip (PK\x03\x04) since 1.6, a pickle (0x80) before.
     if fmt == "pytorch" and not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-        raise PackInputError(f"{rel}: not a PyTorch checkpoint (neither zip nor pickle); check the file")
+        raise PackInputError(
+            msg(
+                "package.weights.not_pytorch_checkpoint_neither",
+                "{rel}: not a PyTorch checkpoint (neither zip nor pickle); check the file",
+                rel=rel,
+            )
+        )
 
 
 def _header_len(path: Path) -> int:
@@ -130,7 +169,12 @@ def detect(folder: Path, files: list[str]) -> WeightInfo:
                     or not isinstance(t.get("shape"), list)
                 ):
                     raise PackInputError(
-                        f"{rel}: tensor {name!r} has no known dtype/shape in the safetensors header"
+                        msg(
+                            "package.weights.tensor_has_no_known",
+                            "{rel}: tensor {name!r} has no known dtype/shape in the safetensors header",
+                            rel=rel,
+                            name=name,
+                        )
                     )
                 dt, bits = _ST_DTYPES[t["dtype"]]
                 n = math.prod(int(x) for x in t["shape"])
@@ -142,8 +186,14 @@ def detect(folder: Path, files: list[str]) -> WeightInfo:
                     or (off[1] - off[0]) * 8 != n * bits
                 ):
                     raise PackInputError(
-                        f"{rel}: tensor {name!r}: data_offsets {off} do not match its shape and dtype "
-                        f"within the file's {data_bytes} data bytes (a damaged or hand-made header)"
+                        msg(
+                            "package.weights.tensor_data_offsets_do",
+                            "{rel}: tensor {name!r}: data_offsets {off} do not match its shape and dtype within the file's {data_bytes} data bytes (a damaged or hand-made header)",
+                            rel=rel,
+                            name=name,
+                            off=off,
+                            data_bytes=data_bytes,
+                        )
                     )
                 dtypes.add(dt)
                 params += n
@@ -177,7 +227,11 @@ def detect(folder: Path, files: list[str]) -> WeightInfo:
             QUANT_BITS.get(dtype or "", 16),
         )
     raise PackInputError(
-        f"{folder}: no weights found; expected *.safetensors (Hugging Face), *.bin/*.pth (PyTorch) or *.gguf"
+        msg(
+            "package.weights.no_weights_found_expected",
+            "{folder}: no weights found; expected *.safetensors (Hugging Face), *.bin/*.pth (PyTorch) or *.gguf",
+            folder=folder,
+        )
     )
 
 
@@ -192,7 +246,14 @@ def _read_config(folder: Path, files: list[str]) -> dict[str, Any]:
         with (folder / "config.json").open("rb") as f:
             doc = json.loads(f.read(4 * MiB))
     except ValueError as e:
-        raise PackInputError(f"{folder / 'config.json'}: not valid JSON ({e}); fix or remove it") from None
+        raise PackInputError(
+            msg(
+                "package.weights.not_valid_json_fix",
+                "{value}: not valid JSON ({e}); fix or remove it",
+                value=folder / "config.json",
+                e=e,
+            )
+        ) from None
     return doc if isinstance(doc, dict) else {}
 
 

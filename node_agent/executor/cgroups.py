@@ -69,6 +69,9 @@ class CgroupLayout:
     """The cpu controller (CFS bandwidth)."""
     unified: Path | None = None
     """Mount point of the cgroup v2 tree, if one is mounted."""
+    cpuacct: ControllerMount | None = None
+    """The v1 CPU accounting hierarchy (`cpuacct.usage`), used when no instance directory is in the
+    v2 tree (whose `cpu.stat` accounts CPU in every cgroup); often co-mounted with `cpu`."""
 
     def get(self, controller: str) -> ControllerMount | None:
         """Return the mount for `controller` ("memory", "pids" or "cpu")."""
@@ -122,7 +125,7 @@ def detect_layout(mountinfo: Path = Path("/proc/self/mountinfo")) -> CgroupLayou
             unified = mount_point
         elif fstype == "cgroup":
             for opt in tail[2].split(","):
-                if opt in CONTROLLERS and opt not in v1:
+                if opt in (*CONTROLLERS, "cpuacct") and opt not in v1:
                     v1[opt] = mount_point
     v2_controllers: set[str] = set()
     if unified is not None:
@@ -138,7 +141,8 @@ def detect_layout(mountinfo: Path = Path("/proc/self/mountinfo")) -> CgroupLayou
             mounts[ctrl] = ControllerMount(ctrl, 1, v1[ctrl])
         else:
             mounts[ctrl] = None
-    return CgroupLayout(mounts["memory"], mounts["pids"], mounts["cpu"], unified)
+    cpuacct = ControllerMount("cpuacct", 1, v1["cpuacct"]) if "cpuacct" in v1 else None
+    return CgroupLayout(mounts["memory"], mounts["pids"], mounts["cpu"], unified, cpuacct)
 
 
 def _check_name(value: str, what: str, allow_slash: bool = False) -> None:
@@ -168,6 +172,14 @@ def _read_counter(path: Path, key: str) -> int | None:
     return None
 
 
+def _read_int(path: Path) -> int | None:
+    """A cgroup file holding one integer; None when it is missing or holds something else."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class InstanceCgroup:
     """The cgroup(s) of one instance: `<mount>/<parent>/<instance_id>` in each hierarchy used."""
 
@@ -182,6 +194,12 @@ class InstanceCgroup:
             mount = layout.get(ctrl)
             if mount is not None:
                 self.dirs[ctrl] = mount.mount_point / parent / instance_id
+        self.v2_dir: Path | None = next(
+            (self.dirs[c] for c in CONTROLLERS if c in self.dirs and self._version(c) == 2), None
+        )
+        """The instance's directory in the v2 tree, if any controller is driven from there."""
+        if self.v2_dir is None and layout.cpuacct is not None:
+            self.dirs["cpuacct"] = layout.cpuacct.mount_point / parent / instance_id  # accounting only
 
     def unique_dirs(self) -> tuple[Path, ...]:
         """The distinct directories (one for all v2 controllers, one per v1 hierarchy)."""
@@ -286,6 +304,27 @@ class InstanceCgroup:
             return _read_counter(mem / "memory.events", "oom_kill")
         return _read_counter(mem / "memory.oom_control", "oom_kill")
 
+    def memory_bytes(self) -> int | None:
+        """Memory charged to the cgroup now (v2 `memory.current`, v1 `memory.usage_in_bytes`: the
+        engine's resident memory plus its page cache and kernel memory); None if not accounted."""
+        mem = self.dirs.get("memory")
+        if mem is None:
+            return None
+        name = "memory.current" if self._version("memory") == 2 else "memory.usage_in_bytes"
+        return _read_int(mem / name)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time used by every process that ever ran in the cgroup (v2 `cpu.stat` usage_usec,
+        v1 `cpuacct.usage` in nanoseconds); None if not accounted."""
+        if self.v2_dir is not None:
+            usec = _read_counter(self.v2_dir / "cpu.stat", "usage_usec")
+            return None if usec is None else usec / 1e6
+        acct = self.dirs.get("cpuacct")
+        if acct is None:
+            return None
+        ns = _read_int(acct / "cpuacct.usage")
+        return None if ns is None else ns / 1e9
+
     def kill_all(self, timeout_s: float = 5.0) -> bool:
         """SIGKILL every process in the cgroup until it is empty; return whether it emptied in time."""
         for d in self.unique_dirs():
@@ -359,7 +398,10 @@ def remove_parent_if_empty(layout: CgroupLayout, parent: str) -> None:
 
 
 def _mounts(layout: CgroupLayout) -> Iterable[ControllerMount]:
-    return (m for m in (layout.get(c) for c in CONTROLLERS) if m is not None)
+    found = [m for m in (layout.get(c) for c in CONTROLLERS) if m is not None]
+    if layout.cpuacct is not None and not any(m.version == 2 for m in found):
+        found.append(layout.cpuacct)
+    return found
 
 
 def layout_summary(layout: CgroupLayout) -> Mapping[str, str]:

@@ -16,11 +16,13 @@ from kunlun_common.api import (
     cluster_pb2,
     gateway_pb2,
     gateway_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
     telemetry_pb2,
-    telemetry_pb2_grpc,
     types_pb2,
     workload_pb2,
 )
+from kunlun_common.i18n import _
 
 NAME_PREFIX = "kunlun-verify-"
 """Every workload a run creates is named `kunlun-verify-<run>-<what>`."""
@@ -38,18 +40,15 @@ class Api:
 
     # ------------------------------------------------------------------------------------- reads
     def devices(self) -> list[types_pb2.Device]:
-        return list(self.client.call(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest()).devices)
+        return self.client.cluster_pages(lambda s: s.ListDevices, cluster_pb2.ListDevicesRequest(), "devices")
 
     def nodes(self) -> list[types_pb2.Node]:
-        return list(self.client.call(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest()).nodes)
+        return self.client.cluster_pages(lambda s: s.ListNodes, cluster_pb2.ListNodesRequest(), "nodes")
 
     def metrics(self, flt: str = "") -> list[telemetry_pb2.DeviceMetric]:
-        resp: telemetry_pb2.DeviceMetricsResponse = self.client.call_stub(
-            telemetry_pb2_grpc.TelemetryServiceStub,
-            lambda s: s.DeviceMetrics,
-            telemetry_pb2.DeviceMetricsRequest(filter=flt),
-        )
-        return list(resp.devices)
+        from controlplane.cli.telemetry_cmd import fetch_metrics
+
+        return list(fetch_metrics(self.client, flt).devices)
 
     def tool_reading(self, node: str) -> agent_pb2.ToolReadingResponse:
         """Every vendor tool of `node`, run now by its agent (a tool may take seconds: longer timeout)."""
@@ -62,9 +61,7 @@ class Api:
         return resp
 
     def workloads(self) -> list[workload_pb2.WorkloadSummary]:
-        return list(
-            self.client.workloads(lambda s: s.ListWorkloads, workload_pb2.ListWorkloadsRequest()).workloads
-        )
+        return self.client.all_workloads()
 
     def workload(self, name: str) -> workload_pb2.WorkloadSummary:
         resp: workload_pb2.WorkloadSummary = self.client.workloads(
@@ -73,19 +70,64 @@ class Api:
         return resp
 
     def gateways(self) -> list[gateway_pb2.GatewayInfo]:
-        resp: gateway_pb2.ListGatewaysResponse = self.client.call_stub(
-            gateway_pb2_grpc.GatewayServiceStub, lambda s: s.ListGateways, gateway_pb2.ListGatewaysRequest()
+        found: list[gateway_pb2.GatewayInfo] = self.client.pages(
+            gateway_pb2_grpc.GatewayServiceStub,
+            lambda s: s.ListGateways,
+            gateway_pb2.ListGatewaysRequest(),
+            "gateways",
         )
-        return sorted(resp.gateways, key=lambda g: g.name)
+        return sorted(found, key=lambda g: g.name)
+
+    def leader(self) -> str:
+        resp: cluster_pb2.ClusterStatusResponse = self.client.call(
+            lambda s: s.ClusterStatus, cluster_pb2.ClusterStatusRequest()
+        )
+        return resp.leader
+
+    def rollout(self, workload: str, live: bool = False) -> rollout_pb2.Rollout:
+        """The workload's rollout; with `live` also analysed now (`live_analysis`)."""
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.GetRollout,
+            rollout_pb2.RolloutRequest(workload=workload, live_analysis=live),
+        )
+        return resp
 
     # ------------------------------------------------------------------------------------ writes
+    def create_rollout(self, spec: rollout_pb2.RolloutSpec) -> rollout_pb2.Rollout:
+        """A rollout of one of the run's workloads (it goes when the workload is deleted)."""
+        if spec.workload not in self.created_workloads:
+            raise CliError(
+                _("internal: verify rolls out only its own workloads, found {name}").format(
+                    name=spec.workload
+                )
+            )
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.CreateRollout,
+            rollout_pb2.CreateRolloutRequest(spec=spec),
+        )
+        return resp
+
+    def promote(self, workload: str) -> rollout_pb2.Rollout:
+        resp: rollout_pb2.Rollout = self.client.call_stub(
+            rollout_pb2_grpc.RolloutServiceStub,
+            lambda s: s.PromoteRollout,
+            rollout_pb2.RolloutRequest(workload=workload),
+        )
+        return resp
+
     def name(self, what: str) -> str:
         return f"{NAME_PREFIX}{self.run_id}-{what}"
 
     def submit(self, spec: workload_pb2.WorkloadSpec) -> workload_pb2.Workload:
         """Create a test workload (its name must start with NAME_PREFIX); remembered for cleanup."""
         if not spec.name.startswith(NAME_PREFIX):
-            raise CliError(f"internal: verify workload names start with {NAME_PREFIX}, found {spec.name}")
+            raise CliError(
+                _("internal: verify workload names start with {name_prefix}, found {name}").format(
+                    name_prefix=NAME_PREFIX, name=spec.name
+                )
+            )
         if spec.name not in self.created_workloads:
             self.created_workloads.append(spec.name)  # before the call: an answer lost on the way
         resp: workload_pb2.SubmitWorkloadResponse = self.client.workloads(
@@ -165,7 +207,11 @@ def poll(what: str, check: Callable[[], bool], timeout_s: float, interval_s: flo
         if check():
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
-            raise CliError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise CliError(
+                _("timed out after {timeout_s:.0f} s waiting for {what}").format(
+                    timeout_s=timeout_s, what=what
+                )
+            )
         time.sleep(interval_s)
 
 

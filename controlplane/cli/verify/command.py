@@ -15,10 +15,11 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json
-from controlplane.cli.verify import layer1, layer2, layer3, layer4, report
+from controlplane.cli.verify import layer1, layer2, layer3, layer4, layer5, report
 from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
+from kunlun_common.i18n import _, translate
 
 LayerFn = Callable[[Api, Options], LayerResult]
 TITLES = {
@@ -31,7 +32,7 @@ TITLES = {
 
 
 def layer_functions() -> dict[int, LayerFn]:
-    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run}
+    return {1: layer1.run, 2: layer2.run, 3: layer3.run, 4: layer4.run, 5: layer5.run}
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -54,7 +55,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 3: the node whose cards to load (default: the one with most free cards)",
     )
     p.add_argument(
-        "--requests", type=int, default=1000, help="requests of the layer 3 burst (layers 2 and 5: a fifth)"
+        "--requests",
+        type=int,
+        default=1000,
+        help="requests of the layer 3 and 5 bursts (layer 2: a fifth, layer 4: half)",
     )
     p.add_argument("--concurrency", type=int, default=32, help="concurrent connections of a burst")
     p.add_argument("--burst-timeout", type=float, default=120.0, help="seconds after which a burst stops")
@@ -74,6 +78,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
         help="layer 1: compare each node's topology matrix with this device-plugin-config file (repeatable)",
     )
     p.add_argument("--disruptive", action="store_true", help="allow layer 5 (stops and restarts a replica)")
+    p.add_argument("--replica", default="", help="layer 5: the replica to drain (default: the leader)")
     p.set_defaults(handler=verify)
 
 
@@ -87,19 +92,23 @@ def parse_layers(text: str) -> list[int]:
             elif part:
                 out.add(int(part))
         except ValueError:
-            raise CliError(f"--layer: {part!r} is not a layer list; write 1..5, 2 or 1,3") from None
+            raise CliError(
+                _("--layer: {part!r} is not a layer list; write 1..5, 2 or 1,3").format(part=part)
+            ) from None
     if not out or min(out) < 1 or max(out) > 5:
-        raise CliError(f"--layer: layers are 1 to 5, found {text!r}")
+        raise CliError(_("--layer: layers are 1 to 5, found {text!r}").format(text=text))
     return sorted(out)
 
 
 def _options(args: argparse.Namespace) -> Options:
     if args.requests < 1 or args.requests > 100_000:
-        raise CliError(f"--requests: expected 1..100000, found {args.requests}")
+        raise CliError(_("--requests: expected 1..100000, found {requests}").format(requests=args.requests))
     if args.concurrency < 1 or args.concurrency > 512:
-        raise CliError(f"--concurrency: expected 1..512, found {args.concurrency}")
+        raise CliError(
+            _("--concurrency: expected 1..512, found {concurrency}").format(concurrency=args.concurrency)
+        )
     if args.burst_timeout <= 0 or args.ready_timeout <= 0:
-        raise CliError("--burst-timeout and --ready-timeout: expected a positive number of seconds")
+        raise CliError(_("--burst-timeout and --ready-timeout: expected a positive number of seconds"))
     return Options(
         device=args.device,
         node=args.node,
@@ -110,6 +119,7 @@ def _options(args: argparse.Namespace) -> Options:
         allow_busy=args.allow_busy,
         declared=tuple(args.declared),
         disruptive=args.disruptive,
+        replica=args.replica,
     )
 
 
@@ -145,7 +155,7 @@ def verify(args: argparse.Namespace) -> int:
                 missing.add("layer implemented", "no", "yes", None, note="not implemented in this version")
                 run.layers.append(missing)
                 continue
-            _say(args, f"layer {n}: {TITLES[n]} ...")
+            _say(args, _("layer {n}: {title} ...").format(n=n, title=translate(TITLES[n])))
             try:
                 result = functions[n](api, opts)
             except CliError as e:
@@ -155,7 +165,15 @@ def verify(args: argparse.Namespace) -> int:
                 run.cleanup.extend(api.cleanup())  # each layer leaves the cards free for the next
             run.layers.append(result)
             for c in result.checkpoints:
-                _say(args, f"  [{c.verdict.upper():5}] {c.name}: {c.measured} (threshold {c.threshold})")
+                _say(
+                    args,
+                    _("  [{verdict:5}] {name}: {measured} (threshold {threshold})").format(
+                        verdict=c.verdict.upper(),
+                        name=translate(c.name),
+                        measured=c.measured,
+                        threshold=c.threshold,
+                    ),
+                )
     except KeyboardInterrupt:
         interrupted = True
         ran = {r.layer for r in run.layers}
@@ -173,19 +191,33 @@ def verify(args: argparse.Namespace) -> int:
         print_json(run.to_json())
     else:
         rows = report.summary_rows(run)
-        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], rows))
+        shown = [
+            (n, translate(name), measured, threshold, result) for n, name, measured, threshold, result in rows
+        ]
+        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], shown))
         for layer in run.layers:
             if layer.skipped:
-                print(f"layer {layer.layer} skipped: {layer.skipped}")
+                print(
+                    _("layer {layer} skipped: {skipped}").format(
+                        layer=layer.layer, skipped=translate(layer.skipped)
+                    )
+                )
         for line in layer_evidence_lines(run):
             print(line)
         print(
-            f"\n{'PASS' if run.passed else 'FAIL'}: {sum(1 for r in rows if r[4] == 'PASS')}/{len(rows)} checkpoints passed"
+            (
+                _("\nPASS: {sum}/{count} checkpoints passed")
+                if run.passed
+                else _("\nFAIL: {sum}/{count} checkpoints passed")
+            ).format(
+                sum=sum(1 for r in rows if r[4] == "PASS"),
+                count=len(rows),
+            )
         )
         for line in run.cleanup:
-            print(f"cleanup: {line}")
+            print(_("cleanup: {line}").format(line=line))
     for f in written:
-        _say(args, f"wrote {f}")
+        _say(args, _("wrote {path}").format(path=f))
     if interrupted:
         return 130
     return 0 if run.passed else 1
@@ -198,9 +230,10 @@ def layer_evidence_lines(run: Run) -> list[str]:
         for c in layer.checkpoints:
             if c.passed:
                 continue
-            out.append(
-                f"\n-- layer {c.layer} / {c.name}: {c.verdict.upper()}" + (f" ({c.note})" if c.note else "")
+            head = _("\n-- layer {layer} / {name}: {verdict}").format(
+                layer=c.layer, name=translate(c.name), verdict=c.verdict.upper()
             )
+            out.append(head + (f" ({translate(c.note)})" if c.note else ""))
             for e in c.evidence:
                 out.append(f"$ {e.command}\n{e.output.rstrip()}")
     return out

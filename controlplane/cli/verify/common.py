@@ -24,7 +24,7 @@ class Options:
     node: str = ""
     """Layer 3: the node whose cards to use; empty: the node with the most free Ready cards of one type."""
     requests: int = 1000
-    """Requests of the layer 3 burst (layers 2 and 5 send a fifth of it)."""
+    """Requests of the layer 3 and layer 5 bursts (layer 2 sends a fifth of it, layer 4 half)."""
     concurrency: int = 32
     """Concurrent connections of a burst."""
     burst_timeout_s: float = 120.0
@@ -37,6 +37,8 @@ class Options:
     """Device-plugin-config files whose topology matrices layer 1 compares with the graph's."""
     disruptive: bool = False
     """Layer 5 stops a replica; it runs only with this."""
+    replica: str = ""
+    """Layer 5: the replica to drain; empty: the leader (its handover is part of the check)."""
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

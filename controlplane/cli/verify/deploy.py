@@ -12,6 +12,7 @@ from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, running
 from controlplane.cli.verify.load import Connection, chat_body
 from kunlun_common.api import workload_pb2
+from kunlun_common.i18n import _
 
 
 @dataclass
@@ -28,7 +29,7 @@ def _one_request(address: str, model: str, api_key: str) -> int:
         conn = Connection(address)
         try:
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            reply, _ = await asyncio.wait_for(
+            reply, _body = await asyncio.wait_for(
                 conn.post("/v1/chat/completions", chat_body(model), headers), 10
             )
             return reply.status
@@ -49,18 +50,26 @@ def deploy(api: Api, spec: workload_pb2.WorkloadSpec, timeout_s: float) -> Deplo
     while len(running(summary)) < spec.replicas:
         failed = [i for i in summary.instances if i.phase == "Failed"]
         if failed:
-            raise CliError(f"test workload {spec.name}: instance {failed[0].id} Failed: {failed[0].reason}")
+            raise CliError(
+                _("test workload {name}: instance {id} Failed: {reason}").format(
+                    name=spec.name, id=failed[0].id, reason=failed[0].reason
+                )
+            )
         if time.monotonic() > deadline:
             states = (
                 ", ".join(f"{i.id} {i.phase} {i.reason}".strip() for i in summary.instances) or "no instances"
             )
-            raise CliError(f"test workload {spec.name} not Running within {timeout_s:.0f} s ({states})")
+            raise CliError(
+                _("test workload {name} not Running within {timeout_s:.0f} s ({states})").format(
+                    name=spec.name, timeout_s=timeout_s, states=states
+                )
+            )
         time.sleep(0.5)
         summary = api.workload(spec.name)
     ready_s = time.monotonic() - started
     gateways = api.gateways()
     if not gateways:
-        raise CliError("no inference gateway is registered (`kunlun-cli gateway list`): start one")
+        raise CliError(_("no inference gateway is registered (`kunlun-cli gateway list`): start one"))
     address, key = gateways[0].address, ""
     while True:
         status = _one_request(address, spec.name, key)
@@ -71,7 +80,9 @@ def deploy(api: Api, spec: workload_pb2.WorkloadSpec, timeout_s: float) -> Deplo
             continue
         if time.monotonic() > deadline:
             raise CliError(
-                f"gateway {gateways[0].name} ({address}) does not route {spec.name}: last status {status}"
+                _("gateway {name} ({address}) does not route {name2}: last status {status}").format(
+                    name=gateways[0].name, address=address, name2=spec.name, status=status
+                )
             )
         time.sleep(0.5)
     return Deployed(summary, address, key, ready_s)

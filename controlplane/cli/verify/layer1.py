@@ -14,6 +14,7 @@ from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import READY, Options, devices_evidence, text_table
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from kunlun_common.api import agent_pb2, types_pb2
+from kunlun_common.i18n import _, error_text
 from kunlun_common.states import DeviceState
 
 MEMORY_TOLERANCE = 0.05
@@ -126,7 +127,11 @@ def _declared_matrices(files: tuple[str, ...]) -> dict[str, list[list[int]]]:
                 else:
                     rows.append([int(x) for x in topo])
         except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
-            raise CliError(f"--declared {f}: not a readable device-plugin-config file ({e})") from None
+            raise CliError(
+                _("--declared {f}: not a readable device-plugin-config file ({e})").format(
+                    f=f, e=error_text(e)
+                )
+            ) from None
         out[node] = rows
     return out
 

@@ -22,6 +22,7 @@ from controlplane.cli.verify.deploy import deploy, running_since
 from controlplane.cli.verify.load import MIN_BURST_S, quantile, run_burst
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from controlplane.cli.verify.sampler import Sampler, sampled_burst
+from kunlun_common.i18n import _, error_text
 from kunlun_common.names import parse_device_name
 
 PREPARE_LIMIT_S = 60.0
@@ -43,7 +44,7 @@ def choose_device(api: Api, opts: Options, r: LayerResult) -> str | None:
         try:
             parse_device_name(opts.device)
         except ValueError as e:
-            raise CliError(f"--device: {e}") from None
+            raise CliError(_("--device: {e}").format(e=error_text(e))) from None
         held = foreign_holders(api, [opts.device])
         if held and not opts.allow_busy:
             r.add(

@@ -21,6 +21,7 @@ from controlplane.cli.verify.deploy import deploy, running_since
 from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
+from kunlun_common.i18n import _
 
 STDDEV_LIMIT_PCT = 15.0
 
@@ -32,10 +33,14 @@ def choose_cards(api: Api, opts: Options) -> tuple[str, str, list[str]]:
     if opts.node:
         groups = Counter({k: v for k, v in groups.items() if k[0] == opts.node})
         if not groups:
-            raise CliError(f"--node {opts.node}: no Ready card on that node (`kunlun-cli device list`)")
+            raise CliError(
+                _("--node {node}: no Ready card on that node (`kunlun-cli device list`)").format(
+                    node=opts.node
+                )
+            )
     if not groups:
-        raise CliError("no Ready card in the cluster (`kunlun-cli device list`)")
-    (node, dtype), _ = max(groups.items(), key=lambda kv: (kv[1], kv[0][0] == opts.node, kv[0]))
+        raise CliError(_("no Ready card in the cluster (`kunlun-cli device list`)"))
+    (node, dtype), _count = max(groups.items(), key=lambda kv: (kv[1], kv[0][0] == opts.node, kv[0]))
     cards = sorted(m.device for m in rows if m.node == node and m.device_type == dtype)
     return node, dtype, cards
 
@@ -58,7 +63,11 @@ def run(api: Api, opts: Options) -> LayerResult:
         return r
     cards = [c for c in cards if c not in held]
     if len(cards) < 2:
-        raise CliError(f"{node} has {len(cards)} free Ready {dtype} card(s); layer 3 needs at least 2")
+        raise CliError(
+            _("{node} has {count} free Ready {dtype} card(s); layer 3 needs at least 2").format(
+                node=node, count=len(cards), dtype=dtype
+            )
+        )
     spec = test_workload(api.name("l3"), replicas=len(cards), preferred_device_types=[dtype])
     d = deploy(api, spec, opts.ready_timeout_s)
     placed = sorted(dev for i in running(d.summary) for dev in i.target_devices)

@@ -11,6 +11,7 @@ from controlplane.cli.verify.deploy import deploy, running_since
 from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
+from kunlun_common.i18n import _
 from kunlun_common.names import parse_device_name
 
 PREFERRED = ["cambricon", "ascend"]
@@ -22,7 +23,7 @@ def run(api: Api, opts: Options) -> LayerResult:
     rows = api.metrics()
     cambricon = sorted(m.device for m in rows if m.device_type == "cambricon" and m.status == "Ready")
     if not cambricon or not any(m.device_type == "ascend" for m in rows):
-        raise CliError("layer 4 needs Ready cambricon cards and ascend cards in the cluster")
+        raise CliError(_("layer 4 needs Ready cambricon cards and ascend cards in the cluster"))
     held = foreign_holders(api, cambricon)
     if held and not opts.allow_busy:
         r.add(
@@ -79,7 +80,7 @@ def run(api: Api, opts: Options) -> LayerResult:
     peak_rows = {dev: max(sb.window(dev), default=0.0) for dev in served}
     mine = [m for m in sampler.busiest if m.workload == spec.name]
     r.add(
-        f"telemetry {FILTER} shows the load",
+        "telemetry device_type==cambricon shows the load",
         f"{len(shown)} of {len(served)} cards busier during the burst ("
         + ", ".join(f"{dev} {pct(sb.before[dev])} -> {pct(peak_rows[dev])}" for dev in served)
         + f"); {len(mine)} rows of the filter name the workload",

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import httptools
 
+from kunlun_common.i18n import _
+
 MIN_BURST_S = 6.0
 """The layers' bursts are spread over at least this long: tools sample about every second and the
 platform shows a sample a few seconds later, so a burst of a fraction of a second could go unseen."""
@@ -125,7 +127,7 @@ class Connection:
             chunk = await self.reader.read(65536)
             if not chunk:
                 await self.close()
-                raise ConnectionError("the gateway closed the connection before the answer was complete")
+                raise ConnectionError(_("the gateway closed the connection before the answer was complete"))
             parser.feed_data(chunk)
         reply.status = parser.get_status_code()
         if not parser.should_keep_alive():

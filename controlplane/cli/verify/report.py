@@ -10,6 +10,7 @@ from pathlib import Path
 
 from controlplane.cli.verify import svg
 from controlplane.cli.verify.model import LayerResult, Run
+from kunlun_common.i18n import _, translate
 
 
 def summary_rows(run: Run) -> list[tuple[str, str, str, str, str]]:
@@ -31,12 +32,17 @@ def _pictures(layer: LayerResult, out: Path) -> list[str]:
         name = f"layer{layer.layer}-utilization.svg"
         _write(
             out / name,
-            svg.lines(f"Layer {layer.layer}: utilization per card", layer.utilization, marks=layer.marks),
+            svg.lines(
+                _("Layer {layer}: utilization per card").format(layer=layer.layer),
+                layer.utilization,
+                marks=layer.marks,
+            ),
         )
         names.append(name)
     if layer.latencies_ms:
         name = f"layer{layer.layer}-latency.svg"
-        _write(out / name, svg.histogram(f"Layer {layer.layer}: request latency", layer.latencies_ms))
+        title = _("Layer {layer}: request latency").format(layer=layer.layer)
+        _write(out / name, svg.histogram(title, layer.latencies_ms))
         names.append(name)
     return names
 
@@ -48,46 +54,56 @@ def _write(path: Path, text: str) -> None:
 
 
 def write(run: Run, out: Path) -> list[Path]:
-    """Write the report into `out` (created); the files written."""
+    """Write the report into `out` (created); the files written. report.md and the pictures are in the
+    reader's language (checkpoint names, titles, labels; measured values, thresholds and evidence as
+    measured); report.json stays English."""
     out.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_unix_ms / 1000))
+    verdict = "PASS" if run.passed else "FAIL"
     md = [
-        "# Kunlun Platform acceptance report",
+        _("# Kunlun Platform acceptance report"),
         "",
-        f"Run at {when} against {', '.join(run.endpoints)}: **{'PASS' if run.passed else 'FAIL'}**.",
+        _("Run at {when} against {endpoints}: **{verdict}**.").format(
+            when=when, endpoints=", ".join(run.endpoints), verdict=verdict
+        ),
         "",
-        "| Layer | Checkpoint | Measured | Threshold | Result |",
+        _("| Layer | Checkpoint | Measured | Threshold | Result |"),
         "|---|---|---|---|---|",
     ]
-    md += [f"| {' | '.join(_cell(c) for c in row)} |" for row in summary_rows(run)]
     md += [
-        f"| {layer.layer} | (skipped) | {_cell(layer.skipped)} | | SKIPPED |"
+        f"| {n} | {_cell(translate(name))} | {_cell(measured)} | {_cell(threshold)} | {result} |"
+        for n, name, measured, threshold, result in summary_rows(run)
+    ]
+    md += [
+        _("| {layer} | (skipped) | {reason} | | SKIPPED |").format(
+            layer=layer.layer, reason=_cell(translate(layer.skipped))
+        )
         for layer in run.layers
         if layer.skipped
     ]
     files = []
     for layer in run.layers:
-        md += ["", f"## Layer {layer.layer}: {layer.title}", ""]
+        md += ["", _("## Layer {layer}: {title}").format(layer=layer.layer, title=translate(layer.title)), ""]
         if layer.skipped:
-            md.append(f"Skipped: {layer.skipped}")
+            md.append(_("Skipped: {reason}").format(reason=translate(layer.skipped)))
             continue
         for name in _pictures(layer, out):
             files.append(out / name)
             md += [f"![{name}]({name})", ""]
         for c in layer.checkpoints:
             md += [
-                f"### {c.name}: {c.verdict.upper()}",
+                f"### {translate(c.name)}: {c.verdict.upper()}",
                 "",
-                f"- measured: {c.measured}",
-                f"- threshold: {c.threshold}",
+                _("- measured: {measured}").format(measured=c.measured),
+                _("- threshold: {threshold}").format(threshold=c.threshold),
             ]
             if c.note:
-                md.append(f"- note: {c.note}")
+                md.append(_("- note: {note}").format(note=translate(c.note)))
             for e in c.evidence:
                 md += ["", f"`{e.command}`", "", "```", e.output.rstrip(), "```"]
             md.append("")
     if run.cleanup:
-        md += ["", "## Cleanup", ""] + [f"- {line}" for line in run.cleanup]
+        md += ["", _("## Cleanup"), ""] + [f"- {line}" for line in run.cleanup]
     _write(out / "report.md", "\n".join(md) + "\n")
     _write(out / "report.json", json.dumps(run.to_json(), indent=2) + "\n")
     return [out / "report.md", out / "report.json", *files]

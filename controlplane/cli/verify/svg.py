@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from controlplane.cli.verify.model import Series
+from kunlun_common.i18n import _
 
 W, H = 720, 320
 LEFT, RIGHT, TOP, BOTTOM = 60, 170, 36, 44
@@ -34,7 +35,7 @@ def lines(
     title: str, series: Sequence[Series], y_max: float = 100.0, marks: Sequence[tuple[float, str]] = ()
 ) -> str:
     """Each series as a polyline over its (seconds, value) points; vertical lines at `marks`."""
-    out = _frame(title, "seconds", "utilization %")
+    out = _frame(title, _("seconds"), _("utilization %"))
     t_max = max((t for s in series for t, _ in s.points), default=1.0) or 1.0
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
 
@@ -68,7 +69,7 @@ def lines(
 
 def histogram(title: str, values_ms: Sequence[float], bins: int = 30) -> str:
     """Latency distribution: counts per equal-width bin from 0 to the maximum."""
-    out = _frame(title, "latency (ms)", "requests")
+    out = _frame(title, _("latency (ms)"), _("requests"))
     pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
     hi = max(values_ms, default=1.0) or 1.0
     counts = [0] * bins
