@@ -79,6 +79,8 @@ class Profiler:
         self._enabled = False
         self._interval_ms = 50
         self._closed = False
+        self._generation = 0
+        """Bumped by every change `apply` makes (a failed session waits for the next one)."""
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._names: dict[CodeType, str] = {}
@@ -98,6 +100,7 @@ class Profiler:
                 return
             was = self._enabled
             self._enabled, self._interval_ms = mode.enabled, interval
+            self._generation += 1
             self._cond.notify_all()
             if mode.enabled and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kunlun-profiler", daemon=True)
@@ -127,6 +130,8 @@ class Profiler:
                     self._cond.wait()
                 if self._closed:
                     return
+            with self._cond:
+                generation = self._generation
             try:
                 self._session()
             except OSError as e:
@@ -137,7 +142,7 @@ class Profiler:
                 )
                 self.ring.close()
                 with self._cond:  # wait for the next switch instead of failing again at once
-                    while self._enabled and not self._closed:
+                    while self._generation == generation and not self._closed:
                         self._cond.wait()
 
     def _marker(self, name: str, ts: int, **args: Any) -> dict[str, Any]:

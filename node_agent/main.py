@@ -38,6 +38,18 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         help="host:port of the Prometheus exporter (HTTPS, `monitoring` client certificates; port 0: free)",
     )
     p.add_argument(
+        "--profile-max-files",
+        type=int,
+        default=ProfileOutput.max_files,
+        help=f"most run-time profile files kept (default {ProfileOutput.max_files}; the oldest is deleted first)",
+    )
+    p.add_argument(
+        "--profile-max-file-bytes",
+        type=int,
+        default=ProfileOutput.max_file_bytes,
+        help=f"largest run-time profile file (default {ProfileOutput.max_file_bytes})",
+    )
+    p.add_argument(
         "--profile-dir",
         default="",
         help="folder of run-time profiles (Chrome trace files), written while the scheduler settings switch advanced_profiling on",
@@ -218,7 +230,9 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         executor=executor,
         require_signed_config=a.require_signed_config,
         trusted_keys_dir=a.trusted_keys,
-        profiling=ProfileOutput(dir=a.profile_dir),
+        profiling=ProfileOutput(
+            dir=a.profile_dir, max_files=a.profile_max_files, max_file_bytes=a.profile_max_file_bytes
+        ),
     )
 
 

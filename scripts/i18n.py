@@ -74,7 +74,7 @@ VERIFY_PACKAGE = "controlplane/cli/verify"
 where the layers make them (report.json keeps them in English) and are translated where they are
 shown (`kunlun_common.i18n.translate`); `verify_texts` extracts them by their place: the name and
 note of `result.add(NAME, ..., note=NOTE)`, the title and `skipped=` of `LayerResult(N, TITLE)`, and
-the values of the TITLES table."""
+the values of the TITLES table, and the label of `sampler.mark(LABEL)` (a moment on a picture)."""
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
@@ -224,6 +224,8 @@ def _verify_places(node: ast.AST) -> list[ast.expr]:
         if name == "add" and isinstance(node.func, ast.Attribute) and len(node.args) >= 4:  # not set.add
             out.append(node.args[0])
             out += [k.value for k in node.keywords if k.arg == "note"]
+        elif name == "mark" and isinstance(node.func, ast.Attribute):  # a moment on a picture's time axis
+            out += node.args[:1]
         elif name == "LayerResult":
             out += node.args[1:2]
             out += [k.value for k in node.keywords if k.arg in ("title", "skipped")]

@@ -335,9 +335,6 @@ def test_command_output_in_chinese_english_otherwise(tmp_path: Path) -> None:
     assert zh.returncode == 0, zh.stderr
     assert "（请保密；用 --sign-key 签名）" in zh.stdout
     assert "（交给验证方：--trusted-key，或在集群中使用 `model trust add`）" in zh.stdout
-    en = _cli(["model", "keygen", "--dir", str(tmp_path / "keys-en")], {"LANG": "C"}, tmp_path)
-    assert en.returncode == 0, en.stderr
-    assert "(keep it secret; sign with --sign-key)" in en.stdout
     # a package error raised with a message id, printed by the command itself
     bad = tmp_path / "bad.kunlunpkg"
     bad.write_bytes(b"\0" * 1024)
@@ -385,6 +382,7 @@ def test_the_verify_report_in_chinese_its_json_in_english(
         one.add("preparation time", "3.2 s", "< 60 s", True, evidence("kunlun-cli workload describe x", "ok"))
         one.add("first-token latency", "900 ms", "< 500 ms", False, note="the layer stopped here")
         one.utilization.append(Series("node-a/ascend:0", [(0.0, 10.0), (1.0, 80.0)]))
+        one.marks.append((0.5, "burst start"))
         r.layers += [one, LayerResult(5, TITLES[5], skipped="layer 5 stops a replica: give --disruptive")]
         return r
 
@@ -397,7 +395,8 @@ def test_the_verify_report_in_chinese_its_json_in_english(
     assert "| 2 | 首 token 延迟 | 900 ms | < 500 ms | FAIL |" in md
     assert "## 第 2 层：单卡单模型" in md and "已跳过：第 5 层会停止一个副本：请指定 --disruptive" in md
     assert "- 备注：该层在此处停止" in md
-    assert "第 2 层：各卡利用率" in (tmp_path / "zh" / "layer2-utilization.svg").read_text()
+    picture = (tmp_path / "zh" / "layer2-utilization.svg").read_text()
+    assert "第 2 层：各卡利用率" in picture and "突发开始" in picture and "利用率 %" in picture
     assert layer_evidence_lines(zh)[0] == "\n-- 第 2 层 / 首 token 延迟：FAIL (该层在此处停止)"
     data = json.loads((tmp_path / "zh" / "report.json").read_text())
     assert data["layers"][0]["title"] == "One model on one card"
@@ -413,3 +412,31 @@ def test_the_verify_report_in_chinese_its_json_in_english(
     assert md.startswith("# Kunlun Platform acceptance report\n")
     assert "| 2 | first-token latency | 900 ms | < 500 ms | FAIL |" in md
     assert (tmp_path / "en" / "report.json").read_text() == (tmp_path / "zh" / "report.json").read_text()
+
+
+def test_certificate_warnings_read_as_before_and_in_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.cli.cluster_cmd import certificate_warnings
+    from kunlun_common.api import security_pb2
+
+    now = 1_800_000_000.0
+    certs = [
+        security_pb2.CertificateInfo(
+            role="agent", name="node-a", serial="1f", not_after_unix_ms=int((now + 3 * 86400) * 1000)
+        ),
+        security_pb2.CertificateInfo(
+            role="gateway", name="gw-1", serial="2e", not_after_unix_ms=int((now - 60) * 1000)
+        ),
+    ]
+    monkeypatch.setenv("LANGUAGE", "C")
+    monkeypatch.setenv("LC_ALL", "C")
+    assert certificate_warnings(certs, now, 30) == [
+        "certificate gateway:gw-1 (serial 2e) EXPIRED on 2027-01-15 07:59 UTC; renew it with "
+        "`kunlun-cli certs rotate DIR --name gw-1` and reload the component (SIGHUP)",
+        "certificate agent:node-a (serial 1f) expires in 3 days (2027-01-18 08:00 UTC); renew it with "
+        "`kunlun-cli certs rotate DIR --name node-a` and reload the component (SIGHUP)",
+    ]
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert certificate_warnings(certs, now, 30)[1] == (
+        "证书 agent:node-a（序列号 1f）将在 3 天后过期（2027-01-18 08:00 UTC）；请用 "
+        "`kunlun-cli certs rotate DIR --name node-a` 续签并重新加载该组件（SIGHUP）"
+    )

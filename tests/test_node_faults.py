@@ -46,6 +46,8 @@ def faults_cluster() -> Iterator[LocalCluster]:
             "--test-engine-fallback",
             "--stop-engines-on-exit",
             f"--disconnect-stop={DEADLINE_S:g}",
+            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
+            "--heartbeat-interval=0.5",  # must not stop the engines
             f"--stop-grace={STOP_GRACE_S:g}",
         ),
     )
@@ -113,7 +115,7 @@ def test_preemption_waits_for_the_victims_slow_engine(faults_cluster: LocalClust
     assert any(r.startswith(f"waiting for device {dev}: still held by instance {low}") for r in seen), set(
         seen
     )
-    # the victim's engine ended by itself after its SIGTERM delay (not killed), before the new start
+    # the victim's engine (serving on 4 s after SIGTERM) was gone before the new one started
     (low_stop,) = runs_of(c, "node-b", low, "stop")
     (high_start,) = runs_of(c, "node-b", high, "start")
     assert not pid_alive(low_run["pid"])

@@ -209,3 +209,42 @@ def test_config_set_fields_change_only_those_fields() -> None:
         apply_fields("", ["advanced_profiling"])
     with pytest.raises(CliError, match="policy is not a mapping"):
         apply_fields("policy: spread\n", ["policy.x=1"])
+
+
+def test_an_unwritable_folder_is_logged_and_retried_at_the_next_switch(
+    tmp_path: Path, worker: threading.Event
+) -> None:
+    blocker = tmp_path / "profiles"
+    blocker.write_text("a file where the folder should be")
+    prof = Profiler(ProfileOutput(dir=str(blocker)), "bad.proc", flush_s=0.1)
+    try:
+        prof.apply(ProfilingMode(True, 10))
+        time.sleep(0.3)  # the thread tried, logged, and waits for the next switch (no busy retry)
+        assert prof.sessions == 0 and prof._thread is not None and prof._thread.is_alive()
+        blocker.unlink()  # the operator fixes the folder, then switches off and on
+        prof.apply(ProfilingMode(False, 10))
+        prof.apply(ProfilingMode(True, 10))
+        wait_for(lambda: process_files(blocker, "bad.proc"), 5, "a trace file after the fix")
+    finally:
+        prof.close()
+    assert markers(read_trace(process_files(blocker, "bad.proc")[-1]), "profiling stopped")
+
+
+def test_agent_flags_set_the_ring(tmp_path: Path) -> None:
+    from node_agent.main import build_settings
+
+    base = ["--config", "n.yaml", "--endpoints", "127.0.0.1:1", "--cert-dir", str(tmp_path)]
+    s = build_settings(
+        [
+            *base,
+            "--profile-dir",
+            str(tmp_path),
+            "--profile-max-files",
+            "3",
+            "--profile-max-file-bytes",
+            "8192",
+        ]
+    )
+    assert s.profiling == ProfileOutput(dir=str(tmp_path), max_files=3, max_file_bytes=8192)
+    with pytest.raises(ConfigError, match="max_files"):
+        build_settings([*base, "--profile-max-files", "1"])

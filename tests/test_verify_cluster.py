@@ -200,13 +200,19 @@ def test_layer5_drains_a_replica_which_comes_back_and_the_canary_passes(
     cluster: LocalCluster, cli: Any, tmp_path: Path
 ) -> None:
     wait_for(lambda: all_ready(cluster), 120, "every device Ready")
+    # a workload of someone else: --allow-busy runs the layer anyway, and it must come through
+    submit(cluster, name="tenant", model="m", replicas=1, pin="node-b/cambricon:1", memory_per_device_mb=1024)
+    wait_for(
+        lambda: [i.phase for i in get(cluster, "tenant").instances] == ["Running"], 120, "tenant Running"
+    )
+    tenant = [(i.id, list(i.target_devices), i.restarts) for i in get(cluster, "tenant").instances]
     # drain the replica that holds node-a's agent stream: the agent must move
     target = connected_replica(cluster, "node-a")
     leader = cluster.leader()
     before = replica_pids(cluster)
     supervisors = {n: p.pid for n, p in cluster.replicas.items()}
     out = tmp_path / "report"
-    args = ["--replica", target, "--report", str(out), "-o", "json", "--requests", "400"]
+    args = ["--replica", target, "--allow-busy", "--report", str(out), "-o", "json", "--requests", "400"]
     r = cli("verify", "--layer", "5", "--disruptive", *args)
     report = json.loads(r.stdout)
     cps = checkpoints(report)
@@ -244,7 +250,10 @@ def test_layer5_drains_a_replica_which_comes_back_and_the_canary_passes(
     )
     listed = cps[(5, "workload list complete while the replica was away")]["measured"]
     reads, total = listed.split(" reads", 1)[0].split("/")
-    assert reads == total and int(total) > 0, listed
+    assert reads == total and int(total) > 0 and "held all 2 workloads" in listed, listed
+    # the tenant's instance came through the drain untouched
+    assert [(i.id, list(i.target_devices), i.restarts) for i in get(cluster, "tenant").instances] == tenant
+    assert [i.phase for i in get(cluster, "tenant").instances] == ["Running"]
     layer5 = next(layer for layer in report["layers"] if layer["layer"] == 5)
     assert len(layer5["latencies_ms"]) == 400
     md = (out / "report.md").read_text()

@@ -67,11 +67,17 @@ def certificate_warnings(
         if left > days * 86400:
             continue
         when = dt.datetime.fromtimestamp(c.not_after_unix_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        state = f"expires in {left / 86400:.0f} days ({when})" if left > 0 else f"EXPIRED on {when}"
-        out.append(
-            f"certificate {c.role}:{c.name} (serial {c.serial}) {state}; renew it with "
-            "`kunlun-cli certs rotate DIR --name " + c.name + "` and reload the component (SIGHUP)"
-        )
+        if left > 0:
+            text = _(
+                "certificate {role}:{name} (serial {serial}) expires in {days:.0f} days ({when}); renew it "
+                "with `kunlun-cli certs rotate DIR --name {name}` and reload the component (SIGHUP)"
+            )
+        else:
+            text = _(
+                "certificate {role}:{name} (serial {serial}) EXPIRED on {when}; renew it "
+                "with `kunlun-cli certs rotate DIR --name {name}` and reload the component (SIGHUP)"
+            )
+        out.append(text.format(role=c.role, name=c.name, serial=c.serial, days=left / 86400, when=when))
     return out
 
 

@@ -111,7 +111,9 @@ def keys_list(args: argparse.Namespace) -> int:
                 k["prefix"] + "...",
                 _age(k["created_at_unix_ms"]),
                 k["created_by"],
-                f"{_age(k['revoked_at_unix_ms'])} ago by {k['revoked_by']}" if k["revoked"] else "",
+                _("{age} ago by {who}").format(age=_age(k["revoked_at_unix_ms"]), who=k["revoked_by"])
+                if k["revoked"]
+                else "",
             ]
             for k in items
         ],

@@ -202,7 +202,11 @@ def model_verify(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(doc)
     else:
-        who = f"signed by trusted key {v.key_id}" if v.key_id else "UNSIGNED (allowed by --allow-unsigned)"
+        who = (
+            _("signed by trusted key {key_id}").format(key_id=v.key_id)
+            if v.key_id
+            else _("UNSIGNED (allowed by --allow-unsigned)")
+        )
         rate = v.bytes_checked / secs / 1e6 if secs > 0 else 0.0
         print(
             _("OK {name}@{digest}: {who}; {count} files, {bytes_checked} bytes ({rate:.0f} MB/s)").format(
@@ -255,30 +259,40 @@ def model_inspect(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(doc)
         return 0
+    signer = (
+        _("{signer} (not checked here: run `model verify`)").format(signer=head.signer)
+        if head.signer
+        else _("UNSIGNED")
+    )
+    params = f"{m.parameter_count} ({m.parameter_count_source})" if m.parameter_count else _("unknown")
     rows = [
-        ("Name", f"{m.name} (version {m.version})"),
-        ("Digest", head.digest),
-        ("Signed by", f"{head.signer} (not checked here: run `model verify`)" if head.signer else "UNSIGNED"),
-        ("Weights", f"{m.weight_format}, {m.weights_bytes} bytes on device"),
-        ("Architecture", m.architecture or "-"),
+        (_("Name"), _("{name} (version {version})").format(name=m.name, version=m.version)),
+        (_("Digest"), head.digest),
+        (_("Signed by"), signer),
         (
-            "Parameters",
-            f"{m.parameter_count} ({m.parameter_count_source})" if m.parameter_count else "unknown",
+            _("Weights"),
+            _("{format}, {size} bytes on device").format(format=m.weight_format, size=m.weights_bytes),
         ),
-        ("Quantization", m.quantization or "none"),
-        ("Dtypes", ", ".join(m.dtypes) or "-"),
-        ("Device types", ", ".join(m.target_device_types) or "any"),
-        ("Min memory", f"{m.min_device_memory_mb} MiB per device"),
-        ("Engine", f"{m.engine} {m.engine_version}".strip()),
-        ("Compile cache", m.compile_cache or "-"),
-        ("Files", f"{len(m.files)}, {m.total_bytes} bytes"),
+        (_("Architecture"), m.architecture or "-"),
+        (_("Parameters"), params),
+        (_("Quantization"), m.quantization or "none"),
+        (_("Dtypes"), ", ".join(m.dtypes) or "-"),
+        (_("Device types"), ", ".join(m.target_device_types) or _("any")),
+        (_("Min memory"), _("{mb} MiB per device").format(mb=m.min_device_memory_mb)),
+        (_("Engine"), f"{m.engine} {m.engine_version}".strip()),
+        (_("Compile cache"), m.compile_cache or "-"),
+        (_("Files"), _("{count}, {size} bytes").format(count=len(m.files), size=m.total_bytes)),
     ]
     for p in m.device_profiles:
         rows.append(
             (
-                "Profile",
-                f"{p.get('node')}/{p['device_type']}:{p.get('device_id')} {p.get('model', '')} "
-                f"{p.get('hbm_memory_mb', '?')} MiB, dtypes {', '.join(map(str, p.get('supported_dtypes', [])))}",
+                _("Profile"),
+                _("{device} {model} {mb} MiB, dtypes {dtypes}").format(
+                    device=f"{p.get('node')}/{p['device_type']}:{p.get('device_id')}",
+                    model=p.get("model", ""),
+                    mb=p.get("hbm_memory_mb", "?"),
+                    dtypes=", ".join(map(str, p.get("supported_dtypes", []))),
+                ),
             )
         )
     width = max(len(k) for k, _ in rows)

@@ -72,7 +72,7 @@ def trust_add(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(_json(k))
     else:
-        print(f"trusted {k.key_id} {k.name}".rstrip())
+        print(_("trusted {key_id} {name}").format(key_id=k.key_id, name=k.name).rstrip())
     return 0
 
 
@@ -81,7 +81,7 @@ def trust_remove(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(_json(k))
     else:
-        print(f"no longer trusted: {k.key_id} {k.name}".rstrip())
+        print(_("no longer trusted: {key_id} {name}").format(key_id=k.key_id, name=k.name).rstrip())
     return 0
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from controlplane.cli.verify.model import Series
-from kunlun_common.i18n import _
+from kunlun_common.i18n import _, translate
 
 W, H = 720, 320
 LEFT, RIGHT, TOP, BOTTOM = 60, 170, 36, 44
@@ -54,7 +54,7 @@ def lines(
         out.append(
             f'<line x1="{x(t):.1f}" y1="{TOP}" x2="{x(t):.1f}" y2="{H - BOTTOM}" stroke="#999" stroke-dasharray="4 3"/>'
         )
-        out.append(f'<text x="{x(t) + 3:.1f}" y="{TOP + 10}" fill="#666">{escape(what)}</text>')
+        out.append(f'<text x="{x(t) + 3:.1f}" y="{TOP + 10}" fill="#666">{escape(translate(what))}</text>')
     for i, s in enumerate(series):
         color = COLORS[i % len(COLORS)]
         pts = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in s.points)
