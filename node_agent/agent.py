@@ -45,6 +45,9 @@ VERSION = "0.1.0"
 DEFAULT_NODE_LEASE_S = 5.0  # the replicas' default node_lease_ttl_s
 DEFAULT_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
 FENCE_RENEW_POLL_S = 0.2
+FAILOVER_S = 1.0
+"""Time the agent allows itself to register with another replica and hear its first ack, once it
+gave up on an unresponsive one (a TLS handshake and a few etcd writes; well under this)."""
 
 
 def check_fencing(settings: AgentSettings) -> None:
@@ -56,6 +59,18 @@ def check_fencing(settings: AgentSettings) -> None:
         raise ConfigError(
             f"--disconnect-stop: {ex.disconnect_stop_s:g}s is shorter than an agent restart; expected at "
             f"least {fence.MIN_DEADLINE_S:g}s (restarting the agent must never stop its engines)"
+        )
+    # one frozen replica must never stop the engines: the agent notices it after the ack timeout
+    # (checked once per heartbeat interval) and needs a moment to reach another replica, all
+    # before the deadline
+    failover = settings.ack_timeout_s + settings.heartbeat_interval_s + FAILOVER_S
+    if failover > ex.disconnect_stop_s:
+        raise ConfigError(
+            f"--ack-timeout {settings.ack_timeout_s:g}s + --heartbeat-interval "
+            f"{settings.heartbeat_interval_s:g}s + failover to another replica {FAILOVER_S:g}s = "
+            f"{failover:g}s is more than --disconnect-stop {ex.disconnect_stop_s:g}s: one frozen replica "
+            "would stop every engine before the agent reaches another; lower --ack-timeout "
+            "(and --heartbeat-interval) or raise --disconnect-stop"
         )
     budget = ex.disconnect_stop_s + fence.FENCE_SLACK_S + ex.stop_grace_s
     if budget >= DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:

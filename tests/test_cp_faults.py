@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ from tests.test_placement_safety import all_events, intervals, ledger, nodes_rea
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
 FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
 SKEW = {"replica-1": "-4m", "replica-2": "+4m"}
+IGNORED = "ignoring an assignment set older than the one applied (a lagging replica)"
 
 
 def faketime_lib() -> str:
@@ -64,6 +66,8 @@ def cp_cluster() -> Iterator[LocalCluster]:
             "--test-engine-fallback",
             "--stop-engines-on-exit",
             f"--disconnect-stop={DEADLINE_S:g}",
+            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
+            "--heartbeat-interval=0.5",  # must not stop the engines
             f"--stop-grace={STOP_GRACE_S:g}",
         ),
     )
@@ -123,6 +127,24 @@ def log_events(path: Path, event: str) -> list[dict[str, Any]]:
             if rec.get("event") == event:
                 out.append(rec)
     return out
+
+
+def connected(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to loopback port `port`."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state, inode = fields[2], fields[3], fields[9]
+        if state == "01" and inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
+            return True
+    return False
 
 
 def first_stamp(c: LocalCluster, replica: str) -> float:
@@ -270,15 +292,20 @@ def test_skewed_replica_clocks_no_early_move_no_overlap(cp_cluster: LocalCluster
         agent.resume()
 
 
-def test_stream_replica_killed_engine_keeps_running(cp_cluster: LocalCluster) -> None:
-    """kill -9 the replica holding an agent's stream: the agent registers with another replica
-    in time, so its engine is neither fenced nor moved, and new assignments still reach it."""
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_stream_replica_lost_engine_keeps_running(cp_cluster: LocalCluster, how: str) -> None:
+    """The replica holding an agent's stream killed (-9) or frozen (SIGSTOP, then the agent leaves
+    it after its ack timeout): the agent registers with another replica in time, so its engine is
+    neither stopped nor moved, and new assignments still reach it."""
     c = cp_cluster
     iid, node, old = place_one(c, "keep")
     holder = stream_holder(c, node)
     regs_before = len(log_events(agent_log(c, node), "registered with replica"))
     killed_at = time.monotonic()
-    c.replicas[holder].kill()
+    if how == "kill":
+        c.replicas[holder].kill()
+    else:
+        c.replicas[holder].pause()  # resumed by the `clean` fixture
     wait_for(
         lambda: len(log_events(agent_log(c, node), "registered with replica")) > regs_before,
         30,
@@ -297,7 +324,7 @@ def test_stream_replica_killed_engine_keeps_running(cp_cluster: LocalCluster) ->
     # stop grace) and the leader would have moved it (lease + grace)
     window = max(DEADLINE_S + FENCE_SLACK_S + STOP_GRACE_S, LEASE_S + GRACE_S) + 1.0
     while time.monotonic() - killed_at < window:
-        assert pid_alive(old["pid"]), "the engine stopped after its agent's replica was killed"
+        assert pid_alive(old["pid"]), f"the engine stopped after its agent's replica was lost ({how})"
         time.sleep(0.2)
     assert pid_alive(old["pid"])
     assert stops_of(c, node, iid) == []
@@ -360,61 +387,92 @@ def chat(gateway: str, model: str, timeout: float = 5.0) -> int:
 
 
 def test_control_plane_outage_available_serves_strict_fences(cp_cluster: LocalCluster) -> None:
-    """Every replica frozen under gateway traffic: the `available` workload keeps serving with no
-    failed request (the gateway keeps its last endpoints, the engine is never fenced); the `strict`
-    one stops at its disconnect deadline (ledger cause fenced) and serves again once the control
-    plane is back."""
+    """Two whole-control-plane outages under gateway traffic: every replica frozen, then etcd
+    without quorum (2 of its 3 members killed; the replicas then withhold heartbeat acks). The
+    `available` workload keeps serving with no failed request (the gateway keeps its last
+    endpoints, the engine is never fenced); the `strict` one stops at its disconnect deadline and
+    serves again once the control plane is back."""
     c = cp_cluster
     av_id, _, av_old = place_one(c, "av", fencing="available")
-    st_id, st_node, st_old = place_one(c, "st")
+    place_one(c, "st")
     gw = next(iter(c.gateway_addrs.values()))
     wait_for(lambda: chat(gw, "av") == 200 and chat(gw, "st") == 200, 30, "the gateway routes to both")
-
     statuses: list[int] = []
+    lost = c.etcd.members[1:]
+
+    def freeze() -> None:
+        for r in c.replicas.values():
+            r.pause()
+
+    def thaw() -> None:
+        for r in c.replicas.values():
+            r.resume()
+
+    def quorum_lost() -> None:
+        for m in lost:
+            m.proc.kill()
+
+    def quorum_back() -> None:
+        for m in lost:
+            m.proc.start()
+
+    figures = [
+        outage(c, gw, statuses, "every replica frozen", freeze, thaw),
+        outage(c, gw, statuses, "etcd quorum lost", quorum_lost, quorum_back),
+    ]
+    print("; ".join(figures), f"; {len(statuses)} requests to the available workload")
+    failed = [s for s in statuses if s != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} requests to the available workload failed"
+    assert len(statuses) >= 200
+    assert pid_alive(av_old["pid"]), "the available engine was stopped by an outage"
+    # one strict engine at a time; no device ever shared
+    assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
+
+
+def outage(
+    c: LocalCluster,
+    gw: str,
+    statuses: list[int],
+    what: str,
+    begin: Callable[[], None],
+    end: Callable[[], None],
+) -> str:
+    """One outage with requests to `av` all along: the strict engine of `st` stops at its deadline
+    and `st` serves again after `end`. Returns the figures."""
 
     def traffic(n: int) -> None:
         statuses.extend(chat(gw, "av") for _ in range(n))
 
-    for r in c.replicas.values():
-        r.pause()
-    frozen_at = time.monotonic()
+    inst = get(c, "st").instances[0]
+    run = engine_run(c, inst.node, inst.id)
+    begin()
+    began = time.monotonic()
     try:
         stops: list[dict[str, Any]] = []
         for _ in range(400):  # bounded: about 0.05 s a request
             traffic(5)
-            stops = [e for e in stops_of(c, st_node, st_id) if e["pid"] == st_old["pid"]]
-            if stops or time.monotonic() - frozen_at > 60:
+            stops = [e for e in stops_of(c, inst.node, inst.id) if e["pid"] == run["pid"]]
+            if stops or time.monotonic() - began > 60:
                 break
-        assert stops, "the strict engine was not stopped during the outage"
-        fenced_after = time.monotonic() - frozen_at
-        # stopped by its agent at the deadline (it is alive, so it does it in order; its supervisor's
-        # fence is the backstop for a frozen or dead agent)
+        assert stops, f"{what}: the strict engine was not stopped"
+        stopped_after = time.monotonic() - began
+        # stopped by its agent at the deadline (it is alive, so it does it in order; its
+        # supervisor's fence is the backstop for a frozen or dead agent)
         assert stops[-1]["cause"].startswith("stopped: no replica reachable for"), stops[-1]
-        assert not pid_alive(st_old["pid"])
-        # the deadline counts from the last acknowledged heartbeat, at most an interval (1 s) before
-        assert fenced_after >= DEADLINE_S - 1.0, fenced_after
-        # the strict workload is gone from the data plane meanwhile; the available one still serves
+        assert not pid_alive(run["pid"])
+        # the deadline counts from the last acknowledged heartbeat, at most an interval before
+        assert stopped_after >= DEADLINE_S - 1.0, (what, stopped_after)
+        # the strict workload is gone from the data plane meanwhile; the available one serves on
         traffic(20)
         assert chat(gw, "st") != 200
-        assert pid_alive(av_old["pid"])
     finally:
-        for r in c.replicas.values():
-            r.resume()
-        resumed_at = time.monotonic()
+        end()
+    ended = time.monotonic()
     recovered = False
     for _ in range(600):
         traffic(2)
         recovered = running_on(c, "st", "node-") and chat(gw, "st") == 200
-        if recovered or time.monotonic() - frozen_at > 150:
+        if recovered or time.monotonic() - ended > 120:
             break
-    assert recovered, [(i.phase, i.reason) for i in get(c, "st").instances]
-    print(
-        f"outage: strict stopped {fenced_after:.1f}s after the freeze, serving again "
-        f"{time.monotonic() - resumed_at:.1f}s after the resume; {len(statuses)} requests to av"
-    )
-    failed = [s for s in statuses if s != 200]
-    assert not failed, f"{len(failed)} of {len(statuses)} requests to the available workload failed"
-    assert len(statuses) >= 100
-    assert pid_alive(av_old["pid"]), "the available engine was stopped by the outage"
-    # one strict engine at a time; no device ever shared
-    assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
+    assert recovered, (what, [(i.phase, i.reason) for i in get(c, "st").instances])
+    return f"{what}: strict stopped after {stopped_after:.1f}s, serving {time.monotonic() - ended:.1f}s after"

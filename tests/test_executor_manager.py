@@ -369,3 +369,23 @@ def test_agent_flags() -> None:
     )
     with pytest.raises(ConfigError, match="--disconnect-stop"):
         build_settings([*base, "--disconnect-stop", "0"])
+
+
+def test_agent_refuses_a_deadline_shorter_than_a_failover() -> None:
+    """The frozen-replica case of tests/test_cp_faults.py, as a start-up check: an agent whose disconnect deadline
+    leaves no time to reach another replica after the ack timeout is refused, with the numbers."""
+    from kunlun_common.errors import ConfigError
+    from node_agent.agent import check_fencing
+    from node_agent.main import build_settings
+
+    base = ["--config=node.yaml", "--endpoints=127.0.0.1:1", "--cert-dir=/nonexistent"]
+    with pytest.raises(ConfigError) as err:
+        check_fencing(build_settings([*base, "--disconnect-stop=3"]))
+    assert (
+        "--ack-timeout 3s + --heartbeat-interval 1s + failover to another replica 1s = 5s is more than "
+        "--disconnect-stop 3s: one frozen replica would stop every engine" in str(err.value)
+    )
+    check_fencing(
+        build_settings([*base, "--disconnect-stop=3", "--ack-timeout=1.5", "--heartbeat-interval=0.5"])
+    )
+    check_fencing(build_settings(base))  # the defaults: 3 + 1 + 1 = --disconnect-stop 5

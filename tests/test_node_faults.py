@@ -46,6 +46,8 @@ def faults_cluster() -> Iterator[LocalCluster]:
             "--test-engine-fallback",
             "--stop-engines-on-exit",
             f"--disconnect-stop={DEADLINE_S:g}",
+            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
+            "--heartbeat-interval=0.5",  # must not stop the engines
             f"--stop-grace={STOP_GRACE_S:g}",
         ),
     )

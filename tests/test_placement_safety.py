@@ -38,6 +38,8 @@ def safe_cluster() -> Iterator[LocalCluster]:
             "--test-engine-fallback",
             "--stop-engines-on-exit",
             f"--disconnect-stop={DEADLINE_S:g}",
+            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
+            "--heartbeat-interval=0.5",  # must not stop the engines
             f"--stop-grace={STOP_GRACE_S:g}",
         ),
     )
@@ -197,8 +199,13 @@ def test_available_engine_keeps_serving_without_contact(safe_cluster: LocalClust
     finally:
         agent.resume()
     wait_for(lambda: not pid_alive(old["pid"]), 60, "the old engine stopped once its agent is back")
-    stops = [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
-    assert stops and "fenced" not in stops[-1]["cause"], stops
+
+    def stops() -> list[dict[str, Any]]:
+        return [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
+
+    # the supervisor stamps the stop after the engine is reaped and its cgroup removed
+    wait_for(stops, 30, "the old engine's stop in the ledger")
+    assert "fenced" not in stops()[-1]["cause"], stops()
 
 
 def test_device_handoff_waits_for_the_old_engine(safe_cluster: LocalCluster) -> None:
