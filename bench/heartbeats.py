@@ -48,6 +48,8 @@ class SimAgent:
         self.registered = asyncio.Event()
         self.measuring = False
         self.sent_in_window = 0
+        self.seq = 0
+        self.register_retries = 0
 
     def devices(self) -> list[types_pb2.Device]:
         return [
@@ -81,6 +83,21 @@ class SimAgent:
         ]
 
     async def run(self) -> None:
+        """Connect, register and heartbeat; like kunlun-agent, a refused or broken stream is retried
+        with jittered backoff (a registration the replica could not store under load is refused
+        UNAVAILABLE, and a real agent simply tries again)."""
+        attempt = 0
+        while True:
+            try:
+                await self._session()
+            except (grpc.aio.AioRpcError, ConnectionError):
+                pass
+            if not self.registered.is_set():
+                self.register_retries += 1
+            attempt += 1
+            await asyncio.sleep(min(5.0, 0.2 * 2 ** min(attempt, 5)) * random.uniform(0.5, 1.0))
+
+    async def _session(self) -> None:
         async with grpc.aio.secure_channel(self.endpoint, self.creds) as ch:
             call = agent_pb2_grpc.AgentServiceStub(ch).Connect()  # type: ignore[call-arg]
             await call.write(
@@ -91,21 +108,21 @@ class SimAgent:
                 )
             )
             first = await call.read()
-            assert first is not _EOF
+            if first is _EOF:
+                return
             self.registered.set()
             reader = asyncio.create_task(self._read(call))
             await asyncio.sleep(random.random() * self.period)  # spread heartbeats over the period
-            seq = 0
             try:
-                while True:
-                    seq += 1
-                    self.sent[seq] = time.monotonic()
+                while not reader.done():
+                    self.seq += 1
+                    self.sent[self.seq] = time.monotonic()
                     if self.measuring:
                         self.sent_in_window += 1
                     async with self.wlock:
                         await call.write(
                             agent_pb2.AgentMessage(
-                                heartbeat=agent_pb2.Heartbeat(seq=seq, samples=self.samples())
+                                heartbeat=agent_pb2.Heartbeat(seq=self.seq, samples=self.samples())
                             )
                         )
                     await asyncio.sleep(self.period)
@@ -159,6 +176,7 @@ async def worker(cert_dir: str, endpoints: list[str], first: int, count: int) ->
         "rtts": [r for a in agents for r in a.rtts],
         "sent": sum(a.sent_in_window for a in agents),
         "missed": sum(1 for a in agents for t in a.sent.values() if now - t > MISSED_AFTER_S),
+        "register_retries": sum(a.register_retries for a in agents),
     }
     print("result " + json.dumps(result), flush=True)
     for t in tasks:
@@ -249,10 +267,14 @@ async def measure(
     rtts = [r for res in results for r in res["rtts"]]
     sent = sum(res["sent"] for res in results)
     missed = sum(res["missed"] for res in results)
+    retries = sum(res["register_retries"] for res in results)
     rcpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in pids}
     ecpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in etcd_pids}
     print(f"\nheartbeat capacity: {n} agents x 8 devices, 1 heartbeat/s each, window {elapsed:.0f}s")
-    print(f"  registration of all agents: {registration_s:.1f} s  ({len(workers)} load-generator processes)")
+    print(
+        f"  registration of all agents: {registration_s:.1f} s  ({len(workers)} load-generator processes, "
+        f"{retries} registrations retried after a refusal)"
+    )
     print(f"  heartbeats sent {sent} ({sent / elapsed:.0f}/s), acked in window {len(rtts)}")
     print(f"  heartbeat round trip p50 {pct(rtts, 50) * 1000:.1f} ms  p99 {pct(rtts, 99) * 1000:.1f} ms")
     print(f"  missed heartbeats (no ack within {MISSED_AFTER_S:.0f} s): {missed}")
@@ -271,6 +293,7 @@ async def measure(
         "agents": n,
         "window_s": elapsed,
         "registration_s": registration_s,
+        "register_retries": retries,
         "sent": sent,
         "acked": len(rtts),
         "missed": missed,

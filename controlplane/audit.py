@@ -3,16 +3,20 @@ the retention bound the leader enforces.
 
 | key                                    | written by                  | value (JSON)                     |
 |----------------------------------------|-----------------------------|----------------------------------|
-| audit/api/<ms>-<replica>-<n>           | the `@rpc` wrapper (any replica), after the call | {"schema","at_ms","identity","action","object","result","replica","serial"} |
+| audit/api/<ms>-<replica>-<n>           | the `@rpc` wrapper (any replica): in the change's transaction, else after the call | {"schema","at_ms","identity","action","object","result","replica","serial"} |
 | audit/package-trust/<ms>-<key id>-<op> | PackageService, in the change's own transaction | {"schema","op","key_id","name","by","at_ms"} |
 
 Which calls: every unary RPC whose role entry is the operators' (WRITERS in controlplane/api/auth.py),
 whatever its outcome, so a viewer's refused attempt is on record too; reads are not audited. Only
 identity, action, object and result are kept: never a request body, so no secret reaches the log.
 
-The record is written after the call's own commit and before the answer; a replica that dies in
-between loses that one record (the change itself is durable). Add/RemoveTrustedKey keep their
-stronger form: the record is in the change's own transaction, so the wrapper skips them.
+The record of a change is committed in the change's own etcd transaction (controlplane/store/
+riders.py): the first write the handler makes carries it, so the record exists if and only if the
+change committed, at the same revision, with result OK; a replica dying at any point cannot split
+them. A call that changed nothing (refused, invalid, failed before writing) gets its record after
+the call, with the status it ended with; a call that committed and then failed gets a second
+record with that status. Add/RemoveTrustedKey and SetPackagePolicy write their own record (the
+package-trust form) in their transaction, so the wrapper skips them.
 
 Retention: the leader deletes records older than `max_age_days` and the oldest beyond
 `max_records`, every `prune_interval_s` (`prune`).
@@ -32,7 +36,8 @@ from google.protobuf.message import Message
 
 from controlplane import keys
 from controlplane.store import EtcdStore
-from controlplane.store.contract import MAX_TXN_OPS, DeleteOp
+from controlplane.store.contract import MAX_TXN_OPS, DeleteOp, PutOp
+from controlplane.store.riders import Rider
 from kunlun_common.api import security_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError
@@ -93,8 +98,7 @@ class AuditLog:
         self.replica = replica
         self._seq = itertools.count()
 
-    async def record(self, action: str, identity: str, serial: str, obj: str, result: str) -> None:
-        """Write one record; a failure is logged, never raised (the call's own change committed)."""
+    def _record(self, action: str, identity: str, serial: str, obj: str, result: str) -> tuple[str, bytes]:
         at = now_ms()
         rec = {
             "at_ms": at,
@@ -105,9 +109,18 @@ class AuditLog:
             "replica": self.replica,
             "serial": serial,
         }
-        key = f"{API}{at:013d}-{self.replica}-{next(self._seq):06d}"
+        return f"{API}{at:013d}-{self.replica}-{next(self._seq):06d}", keys.encode(rec)
+
+    def rider(self, action: str, identity: str, serial: str, obj: str) -> Rider:
+        """The record of a change (result OK), to commit in the change's own transaction."""
+        key, value = self._record(action, identity, serial, obj, "OK")
+        return Rider((PutOp(key, value),))
+
+    async def record(self, action: str, identity: str, serial: str, obj: str, result: str) -> None:
+        """Write one record on its own; a failure is logged, never raised."""
+        key, value = self._record(action, identity, serial, obj, result)
         try:
-            await asyncio.wait_for(self.store.put(key, keys.encode(rec)), 5.0)
+            await asyncio.wait_for(self.store.put(key, value), 5.0)
         except (KunlunError, TimeoutError) as e:
             log.warning("audit record not written", action=action, identity=identity, error=str(e)[:200])
 

@@ -118,6 +118,13 @@ def test_audit_lists_changes_and_refusals_with_filters(lc_cluster: LocalCluster)
         ("viewer:viewer", "CordonNode", "node-b", "PERMISSION_DENIED"),
     ]
     assert all(e["replica"] and e["serial"] for e in mine)
+
+    # each change's record was committed in the change's own transaction: same etcd revision
+    cordon_rev, records = _cordon_and_audit_revisions(lc_cluster, "node-a")
+    assert ("CordonNode", "node-a", "OK") in records.get(cordon_rev, []), (cordon_rev, records)
+    refused_at = [r for r, es in records.items() if ("CordonNode", "node-b", "PERMISSION_DENIED") in es]
+    assert refused_at and cordon_rev not in refused_at
+
     assert [e["result"] for e in audit(admin, "--identity", "viewer")] == ["PERMISSION_DENIED"]
     assert [e["identity"] for e in audit(admin, "--object", "node-b")] == ["viewer:viewer"]
     assert len(audit(admin, "--object", "node-a", "--identity", "operator:admin")) == 2
@@ -128,6 +135,35 @@ def test_audit_lists_changes_and_refusals_with_filters(lc_cluster: LocalCluster)
     assert bad.returncode != 0 and "--since" in bad.stderr
     table = cli(admin, "audit", "--identity", "viewer")
     assert table.returncode == 0 and "PERMISSION_DENIED" in table.stdout and "node-b" in table.stdout
+
+
+def _cordon_and_audit_revisions(
+    c: LocalCluster, node: str
+) -> tuple[int, dict[int, list[tuple[str, str, str]]]]:
+    import asyncio
+
+    from controlplane import audit, keys
+    from controlplane.store import EtcdStore, StoreSettings
+    from kunlun_common.pki import etcd_client_paths
+
+    p = etcd_client_paths(c.cert_dir)
+
+    async def read() -> tuple[int, dict[int, list[tuple[str, str, str]]]]:
+        store = EtcdStore(StoreSettings(tuple(c.etcd.endpoints), str(p.ca), str(p.cert), str(p.key)))
+        try:
+            kv = await store.get(keys.cordon(node))
+            assert kv is not None
+            kvs, _ = await store.get_prefix(audit.API)
+        finally:
+            await store.close()
+        out: dict[int, list[tuple[str, str, str]]] = {}
+        for a in kvs:
+            e = audit.entry_of(a.value)
+            if e is not None:
+                out.setdefault(a.mod_revision, []).append((e.action, e.object, e.result))
+        return kv.mod_revision, out
+
+    return asyncio.run(read())
 
 
 def test_cluster_status_warns_30_days_before_a_component_certificate_expires(

@@ -1,5 +1,6 @@
 """What the `@rpc` wrapper does around authorization on a live replica: refuse revoked client
-certificates, note which certificates are in use, and audit every operator call.
+certificates, note which certificates are in use, and audit every operator call (the record in
+the transaction of the change the call makes: controlplane/audit.py).
 
 grpc-python has no hook into certificate verification, so revocation is enforced here, on the
 verified peer certificate of each call: a revoked serial is answered UNAUTHENTICATED before the
@@ -20,6 +21,7 @@ from google.protobuf.message import Message
 from controlplane.api.auth import PERMISSIONS, WRITERS, Ctx, abort
 from controlplane.audit import AUDITED_IN_TXN, AuditLog, object_of
 from controlplane.certs_state import Revocations, SeenCertificates, serial_hex
+from controlplane.store.riders import Rider
 from kunlun_common.messages import msg
 from kunlun_common.tls import identity_of, peer_certificate
 
@@ -64,10 +66,18 @@ class CallGuard:
     def audited(self, method: str) -> bool:
         return PERMISSIONS.get(method) is WRITERS and method.rsplit("/", 1)[-1] not in AUDITED_IN_TXN
 
-    async def audit(self, context: Ctx, method: str, request: Message, code: str) -> None:
+    def _who(self, context: Ctx) -> tuple[str, str]:
         cert = caller_certificate(context)
         ident = str(identity_of(cert)) if cert is not None else "anonymous"
-        serial = serial_hex(cert.serial_number) if cert is not None else ""
+        return ident, serial_hex(cert.serial_number) if cert is not None else ""
+
+    def rider(self, context: Ctx, method: str, request: Message) -> Rider:
+        """The call's audit record, to ride in the transaction of the change it makes."""
+        ident, serial = self._who(context)
+        return self.audit_log.rider(method.rsplit("/", 1)[-1], ident, serial, object_of(request))
+
+    async def audit(self, context: Ctx, method: str, request: Message, code: str) -> None:
+        ident, serial = self._who(context)
         await self.audit_log.record(method.rsplit("/", 1)[-1], ident, serial, object_of(request), code)
 
     async def until_revoked(self, cert: x509.Certificate | None) -> None:

@@ -33,6 +33,7 @@ from google.protobuf import empty_pb2
 from google.protobuf.message import Message
 
 from controlplane.api.auth import Ctx, abort, authorize
+from controlplane.store.riders import Rider, riding
 from kunlun_common.errors import (
     ConcurrentChange,
     ConfigError,
@@ -114,20 +115,26 @@ def rpc(
         t0 = time.perf_counter()
         code = "OK"
         method = self.method(name)
+        audited = self.guard is not None and self.guard.audited(method)
+        # a client stream (PushPackage) is audited without its messages: they are the payload
+        said = request if isinstance(request, Message) else empty_pb2.Empty()
+        rider: Rider | None = None
         try:
             if self.guard is not None:
                 await self.guard.admit(context, method)
             who = await authorize(context, method)
-            return await handler(self, request, context, who)
+            if audited and self.guard is not None:
+                rider = self.guard.rider(context, method, said)
+            with riding(rider):  # the record commits with the call's first write (store/riders.py)
+                return await handler(self, request, context, who)
         except Exception as e:
             code = _code_name(e, context)
             await fail(context, e)
         finally:
             if self.observe_call is not None:
                 self.observe_call(name, code, time.perf_counter() - t0)
-            if self.guard is not None and self.guard.audited(method):
-                # a client stream (PushPackage) is audited without its messages: they are the payload
-                said = request if isinstance(request, Message) else empty_pb2.Empty()
+            if audited and self.guard is not None and (rider is None or not rider.attached or code != "OK"):
+                # nothing committed (refused, invalid, no write), or committed and then failed
                 await self.guard.audit(context, method, said, code)
 
     call.__rpc_method__ = name  # type: ignore[attr-defined]

@@ -45,6 +45,7 @@ from controlplane.store.contract import (
     KV,
     MAX_TXN_OPS,
     Compare,
+    DeleteOp,
     GetOp,
     Op,
     PutOp,
@@ -56,6 +57,7 @@ from controlplane.store.contract import (
 )
 from controlplane.store.credentials import read_pair
 from controlplane.store.leases import LeaseKeeper
+from controlplane.store.riders import Rider, boarding
 from controlplane.store.wire import LeaseNotFound, _compare, _kv, _op, _read, channel_closed, translate
 from kunlun_common.errors import ConfigError, PermanentError, TemporaryError
 from kunlun_common.messages import msg
@@ -309,7 +311,13 @@ class EtcdStore:
 
     # ----------------------------------------------------------------- writes
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        """Unconditional write (not CAS); returns the revision. Retried (idempotent)."""
+        """Unconditional write (not CAS); returns the revision. Retried (idempotent). Carries the
+        current call's rider (`riders.py`) in the same transaction, if one waits."""
+        op = PutOp(key, value, lease)
+        rider = boarding([op])
+        if rider is not None:
+            resp = await self._carry(f"put {key}", [op], rider)
+            return int(resp.header.revision)
         req = rpc.PutRequest(key=key.encode(), value=value, lease=lease)
         resp = await self._call(
             f"put {key}", lambda: self._kv.Put(req, timeout=self._timeout, metadata=_METADATA)
@@ -317,12 +325,25 @@ class EtcdStore:
         return int(resp.header.revision)
 
     async def delete(self, key: str, prefix: bool = False) -> int:
-        """Delete a key (or a prefix); returns how many keys were deleted."""
+        """Delete a key (or a prefix); returns how many keys were deleted. Carries a waiting rider."""
+        op = DeleteOp(key, prefix)
+        rider = boarding([op])
+        if rider is not None:
+            resp = await self._carry(f"delete {key}", [op], rider)
+            return int(resp.responses[0].response_delete_range.deleted)
         req = rpc.DeleteRangeRequest(key=key.encode(), range_end=prefix_end(key) if prefix else b"")
         resp = await self._call(
             f"delete {key}", lambda: self._kv.DeleteRange(req, timeout=self._timeout, metadata=_METADATA)
         )
         return int(resp.deleted)
+
+    async def _carry(self, what: str, ops: list[Op], rider: Rider) -> Any:
+        """An idempotent write and the rider's records in one unconditional transaction (retried:
+        both are plain puts/deletes of fixed keys)."""
+        req = rpc.TxnRequest(success=[_op(o) for o in [*ops, *rider.ops]])
+        resp = await self._call(what, lambda: self._kv.Txn(req, timeout=self._timeout, metadata=_METADATA))
+        rider.revision = int(resp.header.revision)
+        return resp
 
     async def txn(
         self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
@@ -330,7 +351,8 @@ class EtcdStore:
         """ATOMIC compare-and-set: if every compare holds apply `success`, else `failure`.
 
         Single attempt (a timed-out transaction may have been applied; the caller re-reads).
-        At most MAX_TXN_OPS operations per branch.
+        At most MAX_TXN_OPS operations per branch. A waiting rider (`riders.py`) joins the success
+        branch when it writes: committed with it, or not at all.
         """
         if len(success) > MAX_TXN_OPS or len(failure) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
             raise PermanentError(
@@ -340,14 +362,17 @@ class EtcdStore:
                     max_txn_ops=MAX_TXN_OPS,
                 )
             )
+        rider = boarding(success)
         req = rpc.TxnRequest(
             compare=[_compare(c) for c in compares],
-            success=[_op(o) for o in success],
+            success=[_op(o) for o in [*success, *(rider.ops if rider is not None else ())]],
             failure=[_op(o) for o in failure],
         )
         resp = await self._call(
             "txn", lambda: self._kv.Txn(req, timeout=self._timeout, metadata=_METADATA), retry=False
         )
+        if rider is not None and resp.succeeded:
+            rider.revision = int(resp.header.revision)
         reads = [
             [_kv(m) for m in r.response_range.kvs]
             for r in resp.responses
