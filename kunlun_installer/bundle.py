@@ -3,7 +3,8 @@
 A bundle is a folder (also shipped as `kunlun-<version>-bundle.tar.gz`):
 
     manifest.json          name, version, python, and the SHA-256 and size of every other file
-    wheelhouse/*.whl       the kunlun-platform wheel and every pinned dependency for the target Python
+    wheelhouse/*.whl       the kunlun-platform wheel and every pinned dependency for the target Python,
+                           and pip's own wheel (the installer runs pip from it: no ensurepip)
     units/*.service        systemd unit templates (@PREFIX@, @ETC@, @DATA@, @USER@, @ETCD@)
     examples/*             example configurations per role
     kunlun-installer       a shell entry point: runs the installer straight from the wheel
@@ -16,6 +17,7 @@ built with `pip install --no-index --find-links wheelhouse`.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -143,7 +145,8 @@ def build(repo: Path, out_dir: Path, wheelhouse_from: Path | None = None) -> Pat
         "--wheel-dir",
         str(root / "wheelhouse"),
     ]
-    cmd.append(str(repo))
+    # pip's own wheel too: the installer runs pip from it inside each new venv (no ensurepip)
+    cmd += [str(repo), f"pip=={importlib.metadata.version('pip')}"]
     if wheelhouse_from is not None:
         cmd[5:5] = ["--no-index", "--find-links", str(wheelhouse_from)]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -163,21 +163,33 @@ def clean_env() -> dict[str, str]:
 
 
 def make_venv(rel: Path, version: str) -> None:
-    """(Re)create rel/venv offline from the release's own copy of the wheelhouse."""
+    """(Re)create rel/venv offline from the release's own copy of the wheelhouse.
+
+    With pip's own wheel in the wheelhouse (bundles from `make dist` carry it), the venv is made
+    without pip and pip runs straight from its wheel inside the venv's interpreter: the same
+    install, without ensurepip copying pip into every release first (most of a venv's build time)."""
     venv = rel / "venv"
+    wheels = rel / "bundle" / "wheelhouse"
     if venv.exists():
         shutil.rmtree(venv)
+    pip_wheel = sorted(wheels.glob("pip-*.whl"))
     say("virtualenv", f"creating {venv} from the wheelhouse (offline)")
-    r = subprocess.run(
-        [sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True, env=clean_env()
-    )
+    make = [sys.executable, "-m", "venv", *(["--without-pip"] if pip_wheel else []), str(venv)]
+    r = subprocess.run(make, capture_output=True, text=True, env=clean_env())
     if r.returncode != 0:
         raise InstallError(
             "virtualenv", r.stderr.strip(), "install python3-venv (Debian: apt-get install python3-venv)"
         )
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--no-compile"]
-    pip += ["--disable-pip-version-check", "--find-links", str(rel / "bundle" / "wheelhouse")]
-    r = subprocess.run([*pip, f"kunlun-platform=={version}"], capture_output=True, text=True, env=clean_env())
+    say("virtualenv", f"pip install --no-index kunlun-platform=={version} from {wheels}")
+    py = str(venv / "bin" / "python")
+    pip = [py, f"{pip_wheel[-1]}/pip"] if pip_wheel else [py, "-m", "pip"]
+    pip += ["install", "-q", "--no-index", "--no-compile", "--disable-pip-version-check"]
+    r = subprocess.run(
+        [*pip, "--find-links", str(wheels), f"kunlun-platform=={version}"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+    )
     if r.returncode != 0:
         raise InstallError(
             "virtualenv", f"pip: {r.stderr.strip()[-1500:]}", "the wheelhouse may not match this Python"
@@ -233,6 +245,7 @@ def check_config(rel: Path, role: str, path: Path) -> None:
     }.get(role)
     if code is None:
         return
+    say("check config", f"{path}: read by the release's own loader")
     py = rel / "venv" / "bin" / "python"
     r = subprocess.run(
         [str(py), "-c", "import sys; " + code, str(path)], capture_output=True, text=True, timeout=60

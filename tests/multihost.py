@@ -115,10 +115,21 @@ class Hosts:
             p.kill()
             return p.wait(30)
 
-    def stop_all(self) -> None:
-        for host in reversed(list(self.procs)):  # clients of the control plane first
-            with contextlib.suppress(Exception):
-                self.stop(host, timeout=30)
+    def stop_all(self, timeout: float = 30) -> None:
+        """SIGTERM every runner at once, wait for them together; what is left is killed with its
+        namespace (Topology.down)."""
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, end - time.monotonic()))
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        self.procs.clear()
 
 
 def client_cli(

@@ -84,3 +84,69 @@ def test_lifecycle_and_placement_are_functions_of_their_inputs() -> None:
     assert obs == Observations()  # nothing retiring: nothing observed
     decision = reconcile.placement(st, 1_000.0, BY)
     assert decision.units == [] and decision.placed == 0 and decision.queue == {}  # none pending yet
+
+
+def _canary_state(phase: str, retiring: bool, deleting: bool) -> ClusterState:
+    """Workload w (1 replica on n1) plus a canary on n2 whose rollout is over (no rollout record)."""
+    kvs: dict[str, KV] = {}
+    for name in ("n1", "n2"):
+        node = types_pb2.Node(
+            name=name,
+            devices=[
+                types_pb2.Device(
+                    name=f"{name}/ascend:0",
+                    node=name,
+                    device_type="ascend",
+                    hbm_memory_mb=32768,
+                    supported_dtypes=["bf16"],
+                    status=types_pb2.DEVICE_STATUS_READY,
+                )
+            ],
+        )
+        kvs[keys.node(name)] = _kv(keys.node(name), keys.encode_message(node), 2)
+        kvs[keys.alive(name)] = _kv(keys.alive(name), b"{}", 3)
+    w = workload_pb2.Workload(
+        id="w",
+        generation=2,
+        deleting=deleting,
+        spec=workload_pb2.WorkloadSpec(name="w", model="m", replicas=1),
+    )
+    kvs[keys.workload("w")] = _kv(keys.workload("w"), keys.encode_message(w), 4)
+    for inst in (
+        workload_pb2.Instance(
+            id="w-0-4", workload_id="w", ordinal=0, phase="Running", generation=2, node="n1",
+            target_devices=["n1/ascend:0"],
+        ),
+        workload_pb2.Instance(
+            id="w-c0-6", workload_id="w", ordinal=0, variant="canary", phase=phase, generation=2,
+            node="n2", target_devices=["n2/ascend:0"], retiring=retiring,
+        ),
+    ):  # fmt: skip
+        kvs[keys.instance(inst.id)] = _kv(keys.instance(inst.id), keys.encode_message(inst), 5)
+        dev = inst.target_devices[0]
+        kvs[keys.alloc(dev)] = _kv(keys.alloc(dev), keys.encode({"instance": inst.id}), 5)
+    return decode_state(kvs, 10)
+
+
+def _canary_units(st: ClusterState, obs: Observations, mono: float) -> tuple[list[str], Observations]:
+    units, seen = reconcile.lifecycle(st, obs, mono, BY)
+    return [u.what for u in units if "w-c0-6" in u.what], seen
+
+
+def test_a_canary_no_longer_wanted_drains_before_its_engine_stops() -> None:
+    """Rollout over: a serving canary leaves routing first and is removed only after the drain
+    period (it used to be removed at once, failing the requests in flight on it)."""
+    whats, _ = _canary_units(_canary_state("Running", False, False), Observations(), 100.0)
+    assert whats == ["retire w-c0-6"]
+    retiring = _canary_state("Running", True, False)
+    whats, seen = _canary_units(retiring, Observations(), 100.0)
+    assert whats == [] and seen.retiring_since == {"w-c0-6": 100.0}  # draining
+    whats, _ = _canary_units(retiring, seen, 100.0 + reconcile.DRAIN_S - 0.1)
+    assert whats == []
+    whats, _ = _canary_units(retiring, seen, 100.0 + reconcile.DRAIN_S)
+    assert whats == ["remove w-c0-6"]
+    # serving nobody, or its workload being deleted: removed at once
+    assert _canary_units(_canary_state("Starting", False, False), Observations(), 100.0)[0] == [
+        "remove w-c0-6"
+    ]
+    assert _canary_units(_canary_state("Running", False, True), Observations(), 100.0)[0] == ["remove w-c0-6"]

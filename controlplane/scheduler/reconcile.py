@@ -15,7 +15,7 @@ device Unhealthy and each instance retiring.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from controlplane import keys
@@ -26,15 +26,16 @@ from controlplane.scheduler.actions import (
     place_instance,
     release_instance,
     remove_instance,
+    retire_instance,
 )
 from controlplane.scheduler.canary import CANARY, canary_count
 from controlplane.scheduler.model import PendingInstance, Placement, Unplaced
 from controlplane.scheduler.plan import schedule
-from controlplane.scheduler.rolling import rolling_units
+from controlplane.scheduler.rolling import observed_phase, rolling_units
 from controlplane.scheduler.snapshot import ClusterState, graph_snapshot, queue_inputs, workload_req
 from controlplane.store.contract import KV, Compare, DeleteOp, Op
 from kunlun_common.api import workload_pb2
-from kunlun_common.states import PLACED, DeviceState
+from kunlun_common.states import PLACED, DeviceState, InstancePhase
 
 MAX_REASON_NODES = 32
 DRAIN_S = 2.0
@@ -141,7 +142,7 @@ def lifecycle(
         group = canaries if inst.variant == CANARY else by_workload
         group.setdefault(inst.workload_id, []).append((inst.ordinal, inst.id))
     for wid, (w, wkv) in st.workloads.items():
-        units += canary_units(st, w, wkv, canaries.get(wid, []), by)
+        units += canary_units(st, w, wkv, canaries.get(wid, []), by, drained)
         have = {o for o, _ in by_workload.get(wid, [])}
         if w.deleting:
             for _, iid in by_workload.get(wid, []):
@@ -186,9 +187,20 @@ def lifecycle(
 
 
 def canary_units(
-    st: ClusterState, w: workload_pb2.Workload, wkv: KV, have: list[tuple[int, str]], by: str
+    st: ClusterState,
+    w: workload_pb2.Workload,
+    wkv: KV,
+    have: list[tuple[int, str]],
+    by: str,
+    drained: Collection[str] = (),
 ) -> list[Unit]:
-    """Canary instances to create or remove so their count follows the rollout's weight."""
+    """Canary instances to create or remove so their count follows the rollout's weight.
+
+    A canary no longer wanted (the rollout completed, was aborted or lowered its weight) that still
+    serves is first taken out of routing (`retiring`) and removed once it has drained, as a rolling
+    update drains an old instance, so requests in flight on it finish; one that serves nobody (not
+    Running) or whose workload is being deleted is removed at once. `drained`: ids of retiring
+    instances whose drain period has passed."""
     want = canary_count(w, st.rollouts.get(w.id))
     units = [
         create_instance(w, wkv, o, by, st.revision, CANARY)
@@ -196,9 +208,18 @@ def canary_units(
         if o not in {h[0] for h in have}
     ]
     for ordinal, iid in have:
-        if ordinal >= want:
-            inst, kv = st.instances[iid]
+        if ordinal < want:
+            continue
+        inst, kv = st.instances[iid]
+        serving = observed_phase(inst, st.statuses) == InstancePhase.RUNNING
+        if w.deleting or iid in drained or not serving:
             units.append(remove_instance(inst, kv, st.allocs))
+        elif not inst.retiring:
+            units.append(
+                retire_instance(
+                    inst, kv, by, "canary no longer wanted: out of routing, stopped after draining"
+                )
+            )
     return units
 
 
