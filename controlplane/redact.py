@@ -8,36 +8,11 @@ workload's spec, in the specs its instances were placed with and in their launch
 
 from __future__ import annotations
 
-import re
-
 from kunlun_common.api import workload_pb2
+from kunlun_common.secrets import REDACTED, SECRET_FLAG_RE, redact_args
 from kunlun_common.tls import Identity
 
-REDACTED = "<redacted>"
-SECRET_FLAG_RE = re.compile(
-    r"^--?[A-Za-z0-9_-]*(key|token|secret|password|passwd|credential)[A-Za-z0-9_-]*$", re.I
-)
-
-
-def redact_args(args: list[str]) -> list[str]:
-    """Engine arguments with the values of secret flags replaced (`--api-key X`, `--api-key=X`)."""
-    out: list[str] = []
-    hide_next = False
-    for a in args:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        flag, eq, _ = a.partition("=")
-        if SECRET_FLAG_RE.match(flag):
-            if eq:
-                out.append(f"{flag}={REDACTED}")
-            else:
-                out.append(a)
-                hide_next = True
-        else:
-            out.append(a)
-    return out
+__all__ = ["REDACTED", "SECRET_FLAG_RE", "redact_args", "redact_spec", "workload_for"]
 
 
 def redact_spec(spec: workload_pb2.WorkloadSpec) -> None:

@@ -32,6 +32,7 @@ from kunlun_common.errors import KunlunError
 from kunlun_common.pki import CertPaths, certificate_serial, etcd_client_paths, paths_for
 from tests.conftest import FAST_TMP, start_cluster
 from tests.sched_helpers import placed
+from tests.test_cluster_serving import running
 from tests.test_trust_lifecycle import _config, _serial_at, cli
 
 
@@ -44,6 +45,41 @@ def sr_cluster() -> Iterator[LocalCluster]:
     finally:
         c.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+SECRET_ENV = "s3cr3t-env-value-4f9a1c"
+SECRET_ARG = "s3cr3t-arg-value-7b2e8d"
+
+
+def test_secret_values_never_reach_a_log_file_nor_the_audit_log(sr_cluster: LocalCluster) -> None:
+    """A workload with a secret env value and a secret engine argument runs; no log file of the
+    cluster (replicas, agents, gateways, etcd) and no audit entry holds either value."""
+    c = sr_cluster
+    spec = workload_pb2.WorkloadSpec(
+        name="secretive",
+        model="m",
+        replicas=1,
+        env={"HF_TOKEN": SECRET_ENV},
+        engine_args=["--api-key", SECRET_ARG],
+    )
+    with c.channel(c.replica_addrs["replica-1"]) as ch:
+        workload_pb2_grpc.WorkloadServiceStub(ch).SubmitWorkload(
+            workload_pb2.SubmitWorkloadRequest(spec=spec), timeout=10
+        )
+    wait_for(lambda: running(c, "secretive", 1), 90, "secretive Running")
+    admin = _config(c, "operator", "admin")
+    r = cli(admin, "audit", "-o", "json")
+    assert r.returncode == 0 and "SubmitWorkload" in r.stdout, r.stderr
+    leaks = []
+    for path in sorted(c.base.rglob("*.log")):
+        text = path.read_text(errors="replace")
+        leaks += [f"{path.relative_to(c.base)}: {s}" for s in (SECRET_ENV, SECRET_ARG) if s in text]
+    assert SECRET_ENV not in r.stdout and SECRET_ARG not in r.stdout
+    assert not leaks, leaks
+    with c.channel(c.replica_addrs["replica-1"]) as ch:
+        workload_pb2_grpc.WorkloadServiceStub(ch).DeleteWorkload(
+            workload_pb2.DeleteWorkloadRequest(name="secretive"), timeout=10
+        )
 
 
 def where(c: LocalCluster, via: str) -> dict[str, str]:

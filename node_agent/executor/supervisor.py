@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 
 from kunlun_common.errors import KunlunError
+from kunlun_common.secrets import redact_args
 from kunlun_common.states import ExitCause, SupervisorStatus
 from node_agent.executor import devlock, fence, ledger
 from node_agent.executor.cgroups import InstanceCgroup, detect_layout
@@ -251,7 +252,11 @@ class _Supervisor:
         self.namespaced = cmd.namespaced
         self.state["ledger_pid"] = self.proc.pid
         self.record("start", self.proc.pid, "assigned", spawned_ns)
-        log.info("supervisor.engine_started", pid=self.proc.pid, argv=list(cmd.argv[-len(spec.argv) :]))
+        log.info(
+            "supervisor.engine_started",
+            pid=self.proc.pid,
+            argv=redact_args(list(cmd.argv[-len(spec.argv) :])),
+        )
         if not self.namespaced:
             self._set_engine(self.proc.pid)
         return status_r

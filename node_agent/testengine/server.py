@@ -35,6 +35,7 @@ from typing import Any, cast
 import httptools
 import structlog
 
+from kunlun_common.secrets import redact_args
 from node_agent.testengine.schema_output import SchemaUnsupported, structured
 
 log = structlog.get_logger(__name__)
@@ -578,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m node_agent.testengine` entry point."""
     settings, unknown = parse_args(argv)
     if unknown:
-        log.info("test_engine.ignored_flags", flags=unknown)
+        log.info("test_engine.ignored_flags", flags=redact_args(unknown))
     try:
         import uvloop
 
