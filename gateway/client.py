@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import httptools
 import structlog
 
-from gateway.wire import REASONS, Refusal, Request, error_body
+from gateway.wire import REASON_OF_STATUS, REASONS, Refusal, Request, error_body
 
 if TYPE_CHECKING:
     from gateway.exchange import Exchange
@@ -77,13 +77,15 @@ class ClientProtocol(asyncio.Protocol):
         self.deadline = 0.0
         self.kind = NONE
         self.linger_until = 0.0
+        self.peer = ""
+        """The client's address (the TCP peer), for the per-address rate limit."""
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = t = cast(asyncio.Transport, transport)
         proxy = self.proxy
         if len(proxy.clients) >= self.settings.max_connections:
-            proxy.refusals[503] += 1
+            proxy.count_refusal(503, "max_connections")
             self.stopped = True
             body = error_body(
                 503,
@@ -97,6 +99,8 @@ class ClientProtocol(asyncio.Protocol):
             t.close()
             return
         proxy.clients.add(self)
+        peer = t.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         self._expect(FRESH, self.settings.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -188,10 +192,12 @@ class ClientProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.in_head = False
         s = self.settings
-        refusal = self.proxy.admit(self.url, self.auth)  # the key first: strangers learn nothing more
+        refusal = self.proxy.admit(
+            self.url, self.auth, self.peer
+        )  # the key first: strangers learn nothing more
         if refusal is None and self.content_length > s.max_body_bytes:
             msg = f"request body of {self.content_length} bytes is over max_body_bytes ({s.max_body_bytes})"
-            refusal = (413, msg, b"")
+            refusal = (413, msg, b"", "body_too_large")
         if refusal is not None:
             if self.content_length > 0 or self.chunked:
                 self.refuse(*refusal)
@@ -230,19 +236,20 @@ class ClientProtocol(asyncio.Protocol):
         s = self.settings
         return f"request head over max_header_bytes ({s.max_header_bytes}) or max_headers ({s.max_headers})"
 
-    def refuse(self, status: int, message: str, extra: bytes = b"") -> None:
+    def refuse(self, status: int, message: str, extra: bytes = b"", reason: str = "") -> None:
         """Answer `status` in turn, parse nothing more, close after the answer (lingering)."""
         if self.stopped:
             return
         self.stopped = True
-        self.proxy.refusals[status] += 1
+        reason = reason or REASON_OF_STATUS.get(status, "malformed")
+        self.proxy.count_refusal(status, reason)
         self.kind, self.deadline = NONE, 0.0
         self.reading = self.in_head = False
         t = self.transport
         if t is not None and not self.paused_reading:
             t.pause_reading()
             self.paused_reading = True
-        self._queue(Request(b"", b"", [], b"", False, False, (status, message, extra)))
+        self._queue(Request(b"", b"", [], b"", False, False, (status, message, extra, reason)))
 
     def _queue(self, req: Request) -> None:
         if self.busy:

@@ -115,6 +115,7 @@ class Gateway:
             self.registry.metrics,
             self._pool_rows,
             lambda: (self.proxy.inflight if self.proxy else 0, len(self.proxy.clients) if self.proxy else 0),
+            lambda: dict(self.proxy.refused) if self.proxy else {},
         )
         export.registry.register(ProfilerCollector(self.profiler))
         self.metrics = MetricsServer(

@@ -66,6 +66,7 @@ class Snapshot:
     pools: list[PoolRow] = field(default_factory=list)
     inflight: int = 0
     clients: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 class GatewayMetrics:
@@ -165,6 +166,14 @@ class GatewayCollector(Collector):
         inflight = GaugeMetricFamily("kunlun_gateway_inflight_requests", "Requests in flight")
         inflight.add_metric([], float(s.inflight))
         yield inflight
+        refused = CounterMetricFamily(
+            "kunlun_gateway_refused",
+            "Requests and connections refused before routing, by reason (api_key, client_rate, key_rate, ...)",
+            labels=("reason",),
+        )
+        for reason, n in sorted(s.refused.items()):
+            refused.add_metric([reason], float(n))
+        yield refused
         clients = GaugeMetricFamily("kunlun_gateway_client_connections", "Open client connections")
         clients.add_metric([], float(s.clients))
         yield clients
@@ -208,7 +217,9 @@ class GatewayExport:
         metrics: GatewayMetrics,
         pools: Callable[[], list[PoolRow]],
         proxy_state: Callable[[], tuple[int, int]],
+        refused: Callable[[], dict[str, int]] | None = None,
     ) -> None:
+        self._refused = refused
         self.metrics = metrics
         self._pools = pools
         self._proxy_state = proxy_state
@@ -223,4 +234,5 @@ class GatewayExport:
         snap = self.metrics.snapshot()
         snap.pools = self._pools()
         snap.inflight, snap.clients = self._proxy_state()
+        snap.refused = self._refused() if self._refused is not None else {}
         self.collector.snap = snap

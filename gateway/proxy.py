@@ -34,10 +34,10 @@ from gateway.auth import ApiKeys
 from gateway.backends import Registry
 from gateway.client import ClientProtocol
 from gateway.exchange import Exchange
-from gateway.ratelimit import RateLimits
+from gateway.ratelimit import ClientRates, RateLimits
 from gateway.routing import prompt_prefix
 from gateway.settings import GatewaySettings
-from gateway.wire import Refusal, Request
+from gateway.wire import REASON_OF_STATUS, REFUSAL_REASONS, Refusal, Request
 
 try:
     import orjson
@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - orjson is optional
 log = structlog.get_logger("gateway.proxy")
 _INFERENCE = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/generate"))
 _KEYED = _INFERENCE | {b"/v1/models", b"/kunlun/status"}
+_HEALTH = frozenset((b"/health", b"/health_generate"))
 _HOP = frozenset(
     (
         b"connection",
@@ -88,8 +89,15 @@ class Proxy:
         self.inflight = 0
         self.created = int(time.time())
         self.limits = RateLimits(settings)
+        self.client_rates = ClientRates(settings.client_rate_limit_per_s, settings.client_rate_limit_burst)
         self.refusals: Counter[int] = Counter()
         """Requests and connections refused before routing, by status (401, 408, 413, 429, ...)."""
+        self.refused: Counter[str] = Counter({r: 0 for r in REFUSAL_REASONS})
+        """The same by reason (`kunlun_gateway_refused_total{reason}`)."""
+
+    def count_refusal(self, status: int, reason: str = "") -> None:
+        self.refusals[status] += 1
+        self.refused[reason or REASON_OF_STATUS.get(status, "malformed")] += 1
 
     def protocol(self) -> ClientProtocol:
         return ClientProtocol(self)
@@ -105,30 +113,40 @@ class Proxy:
                 c.expired(now)
 
     # ------------------------------------------------------------------ admission (request head only)
-    def admit(self, url: bytes, auth: bytes | None) -> Refusal | None:
-        """None when the request may go on, else why not: the key and its rate, from the head alone."""
+    def admit(self, url: bytes, auth: bytes | None, peer: str = "") -> Refusal | None:
+        """None when the request may go on, else why not: the client address's rate, the key and
+        its rate, from the head alone."""
         path = url.split(b"?", 1)[0]
+        if self.client_rates.active and peer and path not in _HEALTH:
+            wait = self.client_rates.check(peer, self.loop.time())
+            if wait:
+                s = self.settings
+                msg = (
+                    f"request rate of client {peer} over client_rate_limit_per_s "
+                    f"({s.client_rate_limit_per_s:g}/s); retry in {wait} s"
+                )
+                return 429, msg, b"retry-after: %d\r\n" % wait, "client_rate"
         if not (path in _KEYED or path.startswith(endpoints.PREFIX)):
             return None
         why, identity = self.keys.identify(auth)
         if why is not None:
             if not self.keys.loaded:
                 msg = "API keys are required but none were received from the control plane yet"
-                return 503, msg, b"retry-after: 1\r\n"
-            return 401, why, b"www-authenticate: Bearer\r\n"
+                return 503, msg, b"retry-after: 1\r\n", "keys_not_loaded"
+            return 401, why, b"www-authenticate: Bearer\r\n", "api_key"
         if identity and self.limits.active:
             wait = self.limits.check(identity, self.loop.time())
             if wait:
                 msg = f"rate limit of API key {identity} reached; retry in {wait} s"
-                return 429, msg, b"retry-after: %d\r\n" % wait
+                return 429, msg, b"retry-after: %d\r\n" % wait, "key_rate"
         return None
 
     # ------------------------------------------------------------------ routes
     def handle(self, client: ClientProtocol, req: Request) -> None:
         if req.refusal is not None:
-            status, message, extra = req.refusal
+            status, message, extra, reason = req.refusal
             if req.method:  # refused from its head, no body: answered in turn, connection kept
-                self.refusals[status] += 1
+                self.count_refusal(status, reason)
             client.error(status, message, req.keep_alive, extra)
             return
         path = req.url.split(b"?", 1)[0]

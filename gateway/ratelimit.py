@@ -1,4 +1,5 @@
-"""Per-API-key request rates: one token bucket per key, refilled continuously.
+"""Request rates: one token bucket per API key (`RateLimits`) and per client address
+(`ClientRates`), refilled continuously.
 
 A key may send `burst` requests at once, then `per_s` a second on average. A request finding the
 bucket empty is answered 429 with Retry-After (whole seconds until a token is back). Buckets are
@@ -61,3 +62,41 @@ class RateLimits:
             return 0
         self.throttled += 1
         return max(1, math.ceil(wait))
+
+
+class ClientRates:
+    """Buckets of client addresses (`client_rate_limit_per_s`): every request but /health, before
+    its API key is looked at, so a flood of unauthenticated requests from one address is cut too.
+
+    The number of addresses is not bounded by anything the control plane pushed, so the map is
+    bounded here: when it is full, buckets that refilled completely are dropped (they hold no
+    state), and if that frees nothing every address starts again with a full bucket."""
+
+    MAX_BUCKETS = 100_000
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.active = per_s > 0
+        self.buckets: dict[str, Bucket] = {}
+        self.throttled = 0
+
+    def check(self, address: str, now: float) -> int:
+        """0 when `address` may send now, else the Retry-After seconds (at least 1)."""
+        bucket = self.buckets.get(address)
+        if bucket is None:
+            if len(self.buckets) >= self.MAX_BUCKETS:
+                self._prune(now)
+            bucket = self.buckets[address] = Bucket(self.per_s, self.burst, now)
+        wait = bucket.take(now)
+        if wait <= 0.0:
+            return 0
+        self.throttled += 1
+        return max(1, math.ceil(wait))
+
+    def _prune(self, now: float) -> None:
+        full = [a for a, b in self.buckets.items() if b.tokens + (now - b.stamp) * b.per_s >= b.burst]
+        for a in full:
+            del self.buckets[a]
+        if len(self.buckets) >= self.MAX_BUCKETS:
+            self.buckets.clear()

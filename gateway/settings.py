@@ -156,6 +156,14 @@ class GatewaySettings:
     """Requests a key may send at once after a quiet spell; 0: rate_limit_per_s rounded up (at least 1)."""
     key_rate_limits: tuple[KeyRateLimit, ...] = ()
     """Per-key overrides: a list of {key: ID, per_s: N, burst: N} (per_s 0: that key is not limited)."""
+    client_rate_limit_per_s: float = 0.0
+    """Requests per second each client address (the TCP peer) may send, sustained, whatever the
+    path except /health (token bucket, checked before the API key); over it: 429 with Retry-After.
+    0: no limit (the default). Behind a proxy every client shares the proxy's address: keep it off
+    or generous there."""
+    client_rate_limit_burst: int = 0
+    """Requests an address may send at once after a quiet spell; 0: client_rate_limit_per_s
+    rounded up (at least 1)."""
     allow_insecure_listen: bool = False
     """Let a non-loopback listen address serve plain HTTP or without API keys (only behind a proxy
     that terminates TLS and authenticates); by default such a config is refused."""
@@ -275,6 +283,10 @@ class GatewaySettings:
         if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
             raise ConfigError(
                 "rate_limit_per_s / rate_limit_burst: expected 0 (no limit) or a positive number"
+            )
+        if self.client_rate_limit_per_s < 0 or self.client_rate_limit_burst < 0:
+            raise ConfigError(
+                "client_rate_limit_per_s / client_rate_limit_burst: expected 0 (no limit) or a positive number"
             )
         object.__setattr__(self, "key_rate_limits", _key_limits(tuple(self.key_rate_limits)))
         if (self.rate_limit_per_s > 0 or self.key_rate_limits) and not self.require_api_key:

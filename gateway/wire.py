@@ -34,8 +34,34 @@ _TYPES = {
     504: "timeout_error",
 }
 
-Refusal = tuple[int, str, bytes]
-"""(status, message, extra header lines) of a request refused before it is routed."""
+Refusal = tuple[int, str, bytes, str]
+"""(status, message, extra header lines, reason) of a request refused before it is routed; the
+reason labels `kunlun_gateway_refused_total` (one of REFUSAL_REASONS)."""
+
+REFUSAL_REASONS = (
+    "malformed",
+    "api_key",
+    "keys_not_loaded",
+    "key_rate",
+    "client_rate",
+    "body_too_large",
+    "url_too_long",
+    "head_too_large",
+    "timeout",
+    "max_connections",
+)
+"""Why the gateway refused a request or a connection before routing it."""
+REASON_OF_STATUS = {
+    400: "malformed",
+    401: "api_key",
+    408: "timeout",
+    413: "body_too_large",
+    414: "url_too_long",
+    429: "key_rate",
+    431: "head_too_large",
+    503: "max_connections",
+}
+"""The reason of a refusal made without naming one."""
 
 
 def error_body(status: int, message: str) -> bytes:

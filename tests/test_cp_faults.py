@@ -423,7 +423,7 @@ def test_control_plane_outage_available_serves_strict_fences(cp_cluster: LocalCl
     print("; ".join(figures), f"; {len(statuses)} requests to the available workload")
     failed = [s for s in statuses if s != 200]
     assert not failed, f"{len(failed)} of {len(statuses)} requests to the available workload failed"
-    assert len(statuses) >= 200
+    assert len(statuses) >= 100
     assert pid_alive(av_old["pid"]), "the available engine was stopped by an outage"
     # one strict engine at a time; no device ever shared
     assert overlaps(all_events(c), per_instance=lambda i: i != av_id) == []
@@ -449,11 +449,12 @@ def outage(
     began = time.monotonic()
     try:
         stops: list[dict[str, Any]] = []
-        for _ in range(400):  # bounded: about 0.05 s a request
-            traffic(5)
+        for _ in range(3000):  # bounded in count and time; paced so the count outlasts 60 s
+            traffic(2)
             stops = [e for e in stops_of(c, inst.node, inst.id) if e["pid"] == run["pid"]]
             if stops or time.monotonic() - began > 60:
                 break
+            time.sleep(0.02)
         assert stops, f"{what}: the strict engine was not stopped"
         stopped_after = time.monotonic() - began
         # stopped by its agent at the deadline (it is alive, so it does it in order; its
@@ -469,10 +470,11 @@ def outage(
         end()
     ended = time.monotonic()
     recovered = False
-    for _ in range(600):
+    for _ in range(3000):  # about 0.05 s a round at least: the count outlasts 120 s
         traffic(2)
         recovered = running_on(c, "st", "node-") and chat(gw, "st") == 200
         if recovered or time.monotonic() - ended > 120:
             break
+        time.sleep(0.02)
     assert recovered, (what, [(i.phase, i.reason) for i in get(c, "st").instances])
     return f"{what}: strict stopped after {stopped_after:.1f}s, serving {time.monotonic() - ended:.1f}s after"

@@ -65,6 +65,7 @@ EXPORTED = {
     "kunlun_gateway_upstream_inflight_requests",
     "kunlun_gateway_upstream_idle_connections",
     "kunlun_gateway_upstream_connections_opened",
+    "kunlun_gateway_refused",
 }
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count")
 

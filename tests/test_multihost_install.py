@@ -209,14 +209,14 @@ def nodes_ready(site: Site) -> bool:
 @pytest.fixture(scope="module")
 def site(bundle_dir: Path) -> Iterator[Site]:
     topo = Topology(TopologySettings(run_id(), (*CONTROL, *WORKERS, GATEWAY), "10.214.0"))
+    python, user = host_python()
     base = Path(tempfile.mkdtemp(prefix="kunlun-multihost-"))
     hosts = Hosts(topo, base)
-    python, user = host_python()
     client_dir = base / "client"
     client_dir.mkdir()
     s = Site(topo, hosts, bundle_dir, client_dir / "certs", client_dir / "config.yaml", python, user)
-    topo.up()
     try:
+        topo.up()
         s.client_config.write_text(
             yaml.safe_dump(
                 {
@@ -280,6 +280,10 @@ def test_control_plane_hosts_installed_from_the_bundle_answer_the_client(site: S
     assert sorted(m["name"] for m in items) == ["etcd-1", "etcd-2", "etcd-3"]
     assert all(m["healthy"] for m in items), items
     assert {u for m in items for u in m["peer_urls"]} == {f"https://{site.addr(h)}:2380" for h in CONTROL}
+    # etcd's RBAC was turned on from the client host (the fixture); running it again is harmless
+    admin = ["--etcd-cert-dir", str(site.certs), "--etcd-endpoints", f"https://{site.addr('cp-2')}:2379"]
+    again = site.cli("cluster", "etcd", "auth", "enable", *admin)
+    assert again == {"enabled": True, "endpoint": f"https://{site.addr('cp-2')}:2379", "prefix": "/kunlun/"}
     for h in CONTROL:
         # each host has its own /opt and /etc: the release, config and unit exist only in its folders
         d = site.hosts.dir(h)

@@ -250,11 +250,13 @@ def revoke_for_matrix(cluster: LocalCluster, kinds: dict[str, dict[str, Cred]]) 
         listed = stub.ListRevocations(security_pb2.ListRevocationsRequest(), timeout=10).revocations
     write_crl(cluster.cert_dir, (int(r.serial, 16) for r in listed))
     cluster.distribute_crl()
-    agent = next(ls for ls in listeners(cluster) if ls.kind == "agent NodeService")
     ca = cluster.cert_dir / "ca.crt"
-    wait_for(
-        lambda: probe_node_service(agent, ca, kinds["revoked"]["main"]) != "IN", 30, "agents to learn it"
-    )
+    for agent in (ls for ls in listeners(cluster) if ls.kind == "agent NodeService"):  # each polls alone
+        wait_for(
+            lambda agent=agent: probe_node_service(agent, ca, kinds["revoked"]["main"]) != "IN",
+            30,
+            f"agent {agent.name} to learn it",
+        )
 
 
 def listeners(cluster: LocalCluster) -> list[Listener]:
