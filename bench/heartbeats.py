@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import sys
@@ -249,14 +250,15 @@ async def measure(
         rev0 = await store.revision()
         pids = {name: proc.pid for name, proc in cluster.replicas.items()}
         etcd_pids = {m.name: m.proc.pid for m in cluster.etcd.members}
-        cpu0 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
+        gen_pids = {f"generator-{i}": p.pid for i, p in enumerate(workers)}
+        cpu0 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids, **gen_pids}.items()}
         await tell("start")
         start = time.monotonic()
         await asyncio.sleep(window)
         await tell("stop")
         elapsed = time.monotonic() - start
         rev1 = await store.revision()
-        cpu1 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids}.items()}
+        cpu1 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids, **gen_pids}.items()}
         await store.close()
         results = [json.loads(r) for r in await asyncio.wait_for(hear("result"), 120)]
     finally:
@@ -270,6 +272,7 @@ async def measure(
     retries = sum(res["register_retries"] for res in results)
     rcpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in pids}
     ecpu = {k: (cpu1[k] - cpu0[k]) / elapsed * 100 for k in etcd_pids}
+    gcpu = sum((cpu1[k] - cpu0[k]) / elapsed * 100 for k in gen_pids)
     print(f"\nheartbeat capacity: {n} agents x 8 devices, 1 heartbeat/s each, window {elapsed:.0f}s")
     print(
         f"  registration of all agents: {registration_s:.1f} s  ({len(workers)} load-generator processes, "
@@ -289,11 +292,18 @@ async def measure(
         + ", ".join(f"{k} {v:.0f}" for k, v in ecpu.items())
         + f"  (total {sum(ecpu.values()):.0f})"
     )
+    total = sum(rcpu.values()) + sum(ecpu.values()) + gcpu
+    cores = os.cpu_count() or 1
+    print(
+        f"  load generators CPU %: {gcpu:.0f}; all measured processes {total:.0f} % of {cores * 100} % "
+        f"({cores} cores){'  <- the machine is saturated: figures are what it allows' if total > cores * 85 else ''}"
+    )
     return {
         "agents": n,
         "window_s": elapsed,
         "registration_s": registration_s,
         "register_retries": retries,
+        "generators_cpu_pct": gcpu,
         "sent": sent,
         "acked": len(rtts),
         "missed": missed,

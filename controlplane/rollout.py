@@ -26,13 +26,12 @@ canary instances the canary spec, and gateways split requests by `weight_pct`.
 
 from __future__ import annotations
 
-import asyncio
-
 import structlog
 
 from controlplane import keys
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.leader_loop import run_leader_loop
 from controlplane.scheduler.canary import CANARY as CANARY  # kept importable from here
 from controlplane.scheduler.canary import canary_count as canary_count  # kept importable from here
 from controlplane.store import KV, Compare, EtcdStore, PutOp
@@ -292,19 +291,10 @@ class RolloutLoop:
         self.current: list[rollout_pb2.Rollout] = []  # as of the last tick (for the metrics)
 
     async def run(self, fence: Fence) -> None:
-        cache = GraphCache(self.store)
-        await cache.start()
-        try:
-            wake, seen = cache.topic((keys.ROLLOUTS, keys.GATEWAY_STATS, keys.WORKLOADS)), -1
-            while not fence.lost.is_set():
-                try:
-                    async with asyncio.timeout(1.0):
-                        seen = await wake.wait(seen)  # rollout-relevant changes only
-                except TimeoutError:
-                    pass
-                await self.tick(fence, cache)
-        finally:
-            await cache.stop()
+        # rollout-relevant changes only (and every second, for step intervals)
+        await run_leader_loop(
+            "rollout loop", self.store, fence, (keys.ROLLOUTS, keys.GATEWAY_STATS, keys.WORKLOADS), self.tick
+        )
 
     async def tick(self, fence: Fence, cache: GraphCache) -> None:
         now = now_ms()

@@ -10,13 +10,13 @@ where the old one stopped. One log line per tick that decided something.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import structlog
 
 from controlplane.cache import GraphCache
 from controlplane.election import Fence
+from controlplane.leader_loop import run_leader_loop
 from controlplane.metrics import ReplicaMetrics, reason_class
 from controlplane.scheduler import reconcile
 from controlplane.scheduler.actions import Unit, disjoint, pack
@@ -56,22 +56,8 @@ class SchedulerLoop:
 
     async def run(self, fence: Fence) -> None:
         self.new_term()
-        cache = GraphCache(self.store)
-        await cache.start()
-        log.info("scheduler started", epoch=fence.epoch, revision=cache.revision, keys=len(cache.kvs))
-        try:
-            wake, seen = cache.topic(SCHEDULING), -1  # scheduling-relevant changes only, not telemetry
-            while not fence.lost.is_set():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(1.0):
-                        seen = await wake.wait(seen)
-                        await asyncio.sleep(DEBOUNCE_S)  # let a burst of changes land: one tick for all
-                seen = wake.version
-                rev = await self.tick(fence, cache)
-                if rev and not await cache.wait_for_revision(rev):
-                    log.warning("graph cache did not catch up with our commit", revision=rev)
-        finally:
-            await cache.stop()
+        # scheduling-relevant changes only, not telemetry; a burst of them lands before one tick
+        await run_leader_loop("scheduler", self.store, fence, SCHEDULING, self.tick, debounce_s=DEBOUNCE_S)
 
     # ------------------------------------------------------------------ decisions (reconcile.py)
     def observe(self, st: ClusterState, mono: float) -> None:
