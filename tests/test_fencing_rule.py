@@ -44,8 +44,18 @@ def test_config_set_checks_each_node_with_its_recorded_lease() -> None:
 
 
 def _agent(deadline: float, grace: float) -> AgentSettings:
+    """An agent whose replica failover (ack timeout + heartbeat interval + 1 s) fits the shortest
+    deadline, so only the deadline and grace rules under test decide."""
     ex = ExecutorSettings(disconnect_stop_s=deadline, stop_grace_s=grace)
-    return AgentSettings(config_path="n.yaml", endpoints=("r:1",), cert_dir="c", state_dir="s", executor=ex)
+    return AgentSettings(
+        config_path="n.yaml",
+        endpoints=("r:1",),
+        cert_dir="c",
+        state_dir="s",
+        executor=ex,
+        ack_timeout_s=0.5,
+        heartbeat_interval_s=0.5,
+    )
 
 
 def test_agent_start_up_edges() -> None:
