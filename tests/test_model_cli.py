@@ -27,15 +27,29 @@ def cli_process(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
+# Linux carries a process's peak RSS across fork and exec (the forked copy of the parent counts),
+# so a CLI started straight from a long pytest run "peaks" at pytest's own size (336 MiB seen in CI).
+# A small launcher process starts it instead and reports the CLI's own peak.
+_RSS_LAUNCHER = """
+import os, subprocess, sys
+p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(p.pid, 0)
+print(usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def cli_rss(*args: str, home: Path) -> tuple[int, int, str]:
     """(exit code, peak RSS in MiB, stderr) of one CLI run."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
-    p = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    assert p.stderr is not None
-    err = p.stderr.read().decode()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, usage.ru_maxrss // 1024, err
+    p = subprocess.run(
+        [sys.executable, "-c", _RSS_LAUNCHER, *CLI, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    return p.returncode, int(p.stdout.split()[-1]) // 1024, p.stderr
 
 
 @pytest.fixture(scope="module")
