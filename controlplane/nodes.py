@@ -10,12 +10,15 @@ replica, that replica takes over the same lease if it still lives, else grants a
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
 import structlog
 
 from controlplane import keys
+from controlplane.put_batch import PutBatcher
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore, PutOp
 from kunlun_common.api import agent_pb2, types_pb2
@@ -50,6 +53,9 @@ class NodeSession:
     record_dirty: bool = False
     snapshot_due: bool = False
     writer: asyncio.Task[None] | None = None
+    by_name: dict[str, types_pb2.Device] = field(default_factory=dict)
+    """The record's devices by name (built on the first heartbeat; the record's device list is fixed
+    for the session, only their status fields change)."""
 
 
 def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
@@ -83,12 +89,14 @@ def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[s
 
 
 def refresh_period_s(settings: ReplicaSettings) -> float:
-    """How often node leases are refreshed: a third of the lease, and at most half the heartbeat
-    ack window. A node is refreshed at most `period * 1.5` after its previous refresh (rounds spread
-    their refreshes over the first half of the period), so with a lease longer than the ack window
-    (e.g. node_lease_ttl_s 10, heartbeat_ack_requires_etcd_s 3) acks were withheld in steady state
-    whenever the period alone (3.3 s) exceeded the window."""
-    return min(settings.node_lease_ttl_s / 3, settings.heartbeat_ack_requires_etcd_s / 2)
+    """How often each node's lease is refreshed: a third of the lease, and at most two thirds of the
+    heartbeat ack window. Each node keeps its own phase (refreshes exactly `period` apart, counted
+    from its registration), so the answers arrive `period` apart give or take the keep-alive's
+    latency, and the last third of the window (1 s with the default 3 s) absorbs that latency: acks
+    keep flowing. (Rounds that spread every node over the first half of a shared period refreshed a
+    node up to 1.5 periods apart, which forced the period down to half the window: a third more
+    keep-alives, the largest cost of a replica per heartbeat.)"""
+    return min(settings.node_lease_ttl_s / 3, settings.heartbeat_ack_requires_etcd_s * 2 / 3)
 
 
 class NodeSessions:
@@ -99,6 +107,10 @@ class NodeSessions:
         self.settings = settings
         self.sessions: dict[str, NodeSession] = {}
         self._lock = asyncio.Lock()
+        self.snapshots = PutBatcher(store)
+        """Telemetry snapshots of all nodes, written a batch per transaction."""
+        self._due: list[tuple[float, int, NodeSession]] = []  # next lease refresh of each session
+        self._seq = itertools.count()
 
     async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> Message | None:
         """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
@@ -160,6 +172,9 @@ class NodeSessions:
         session.lease_ok_at = session.last_heartbeat = time.monotonic()
         async with self._lock:
             self.sessions[node] = session
+        heapq.heappush(
+            self._due, (session.lease_ok_at + refresh_period_s(self.settings), next(self._seq), session)
+        )
         log.info("node registered", node=node, devices=len(reg.devices), lease=f"{lease:x}", by=identity)
         return session
 
@@ -170,7 +185,9 @@ class NodeSessions:
         session.heartbeats += 1
         changed = False
         big = False
-        by_name = {d.name: d for d in session.record.devices}
+        by_name = session.by_name
+        if not by_name and session.record.devices:
+            by_name = session.by_name = {d.name: d for d in session.record.devices}
         for s in hb.samples:
             dev = by_name.get(s.name)
             if dev is None:
@@ -263,7 +280,7 @@ class NodeSessions:
             name: json_format.MessageToDict(tele, preserving_proto_field_name=True)
             for name, tele in session.samples.items()
         }
-        await self.store.put(
+        await self.snapshots.put(
             keys.telemetry(session.node), keys.encode({"at_ms": now_ms(), "devices": devices})
         )
         session.snapshot_written = {k: v for k, v in session.samples.items()}
@@ -280,37 +297,38 @@ class NodeSessions:
         log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
 
     async def refresh_leases(self) -> None:
-        """Loop: refresh the lease of every node heard from recently, every ttl/3 at a fixed rate.
+        """Loop: refresh the lease of every node heard from recently, each `refresh_period_s` after
+        its previous refresh (its own phase, set at registration; a heap of due times, so a tick
+        costs only the nodes due).
 
-        A round does not wait for the previous one: one slow keep-alive must not delay every other
-        node's next refresh (which would withhold their heartbeat acks). A node whose refresh is
-        still in flight is skipped for the round; each refresh logs its own failure."""
+        A refresh never waits for another: one slow keep-alive must not delay every other node's
+        next refresh (which would withhold their heartbeat acks). A node whose refresh is still in
+        flight when due again is skipped that time; each refresh logs its own failure."""
         period = refresh_period_s(self.settings)
         inflight: dict[str, asyncio.Task[bool]] = {}
+        due = self._due
         try:
             while True:
-                await asyncio.sleep(period)
+                now = time.monotonic()
+                wait = min(0.1, due[0][0] - now) if due else 0.1
+                await asyncio.sleep(max(0.01, wait))
                 for node in [n for n, task in inflight.items() if task.done()]:
                     del inflight[node]
                 t = time.monotonic()
-                live = [
-                    s
-                    for s in list(self.sessions.values())
-                    if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2 and s.node not in inflight
-                ]
-                # spread over the first half of the period: no burst of hundreds of keep-alives at once
-                spread = period / 2 / max(1, len(live))
-                for i, s in enumerate(live):
-                    inflight[s.node] = asyncio.create_task(
-                        self._refresh(s, i * spread), name=f"lease-{s.node}"
-                    )
+                while due and due[0][0] <= t:
+                    at, _, s = heapq.heappop(due)
+                    if self.sessions.get(s.node) is not s:
+                        continue  # disconnected (a new session has its own entry)
+                    nxt = at + period
+                    heapq.heappush(due, (nxt if nxt > t else t + period, next(self._seq), s))
+                    if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2 and s.node not in inflight:
+                        inflight[s.node] = asyncio.create_task(self._refresh(s), name=f"lease-{s.node}")
         finally:
             for task in inflight.values():
                 task.cancel()
             await asyncio.gather(*inflight.values(), return_exceptions=True)
 
-    async def _refresh(self, s: NodeSession, after_s: float = 0.0) -> bool:
-        await asyncio.sleep(after_s)
+    async def _refresh(self, s: NodeSession) -> bool:
         # a failed refresh is retried at once (with jitter), not a whole period later: two missed
         # periods would withhold the node's heartbeat acks
         ttl = -1
