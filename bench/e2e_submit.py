@@ -19,12 +19,11 @@ import asyncio
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.common import temp_cluster
+from bench.common import rss_mb, temp_cluster
 from bench.heartbeats import _EOF, SimAgent
 from controlplane import keys
 from controlplane.store import Compare, EtcdStore, PutOp, StoreSettings
@@ -91,13 +90,6 @@ async def cas_rate(store: EtcdStore, n: int) -> float:
     rate = n / (time.perf_counter() - t0)
     await store.delete(keys.ROOT + "bench-cas/", prefix=True)
     return rate
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def measure(

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from bench.common import cpu_seconds, pct, temp_cluster
+from bench.common import cpu_seconds, pct, rss_mb, temp_cluster
 from controlplane.store import EtcdStore, StoreSettings
 from devcluster.cluster import LocalCluster
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
@@ -259,6 +259,7 @@ async def measure(
         elapsed = time.monotonic() - start
         rev1 = await store.revision()
         cpu1 = {k: cpu_seconds(v) for k, v in {**pids, **etcd_pids, **gen_pids}.items()}
+        rss = {k: rss_mb(v) for k, v in pids.items()}
         await store.close()
         results = [json.loads(r) for r in await asyncio.wait_for(hear("result"), 120)]
     finally:
@@ -292,6 +293,12 @@ async def measure(
         + ", ".join(f"{k} {v:.0f}" for k, v in ecpu.items())
         + f"  (total {sum(ecpu.values()):.0f})"
     )
+    hb_per_s = sent / elapsed if elapsed > 0 else float("nan")
+    print(
+        f"  replica CPU per heartbeat: {sum(rcpu.values()) * 10 / hb_per_s:.2f} ms "
+        f"(with etcd {(sum(rcpu.values()) + sum(ecpu.values())) * 10 / hb_per_s:.2f} ms)"
+    )
+    print("  replica RSS MiB: " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
     total = sum(rcpu.values()) + sum(ecpu.values()) + gcpu
     cores = os.cpu_count() or 1
     print(
@@ -312,6 +319,8 @@ async def measure(
         "replica_cpu_pct": sum(rcpu.values()),
         "etcd_cpu_pct": sum(ecpu.values()),
         "etcd_writes_per_s": (rev1 - rev0) / elapsed,
+        "replica_cpu_ms_per_heartbeat": sum(rcpu.values()) * 10 / hb_per_s,
+        "replica_rss_mb": rss,
     }
 
 
