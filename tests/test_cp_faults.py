@@ -13,8 +13,6 @@ import glob
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,9 +24,18 @@ import pytest
 
 from devcluster.cluster import LocalCluster
 from devcluster.procs import pid_alive, wait_for
-from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import delete_all, get, set_config, submit, targets
-from tests.test_placement_safety import all_events, intervals, ledger, nodes_ready, running_on
+from tests.fault_helpers import (
+    all_events,
+    engine_run,
+    events_of,
+    fault_cluster,
+    fencing_agent_args,
+    nodes_ready,
+    overlaps,
+    restore,
+    running_on,
+)
+from tests.sched_helpers import get, set_config, submit, targets
 
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
 FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
@@ -53,59 +60,24 @@ def skewed_env() -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def cp_cluster() -> Iterator[LocalCluster]:
     """Short lease, grace, deadline and election TTL: 3 + 1 (slack) + 2 (fenced) < 3 + 5 (moved)."""
-    base = Path(tempfile.mkdtemp(prefix="kunlun-cpfaults-", dir=FAST_TMP))
-    c = start_cluster(
-        base,
+    with fault_cluster(
+        "test_cp_faults",
         node_lease_ttl_s=LEASE_S,
         election_ttl_s=3,
         renew_deadline_s=2.0,
         retry_period_s=0.5,
         gateways=1,
         replica_env=skewed_env(),
-        agent_args=(
-            "--test-engine-fallback",
-            "--stop-engines-on-exit",
-            f"--disconnect-stop={DEADLINE_S:g}",
-            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
-            "--heartbeat-interval=0.5",  # must not stop the engines
-            f"--stop-grace={STOP_GRACE_S:g}",
-        ),
-    )
-    try:
+        agent_args=fencing_agent_args(DEADLINE_S, STOP_GRACE_S),
+    ) as c:
         set_config(c, f"node_not_ready_grace_seconds: {GRACE_S:g}\n")
         yield c
-    finally:
-        c.stop()
-        keep = LOG_KEEP / "test_cp_faults"
-        shutil.rmtree(keep, ignore_errors=True)
-        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log"), *base.glob("gateways/*")]:
-            dest = keep / log.relative_to(base)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def clean(cp_cluster: LocalCluster) -> Iterator[None]:
-    c = cp_cluster
     yield
-    for m in c.etcd.members:
-        if not m.proc.alive():
-            m.proc.start()
-    for name, proc in c.replicas.items():
-        proc.resume()
-        if not proc.alive():
-            c.restart_replica(name)
-    for node, cfg in zip(c.node_names(), c.spec.node_configs, strict=True):
-        proc = c.agents[node]
-        proc.resume()
-        if not proc.alive():
-            c.start_agent(cfg, node)
-    for name in c.replicas:
-        wait_for(lambda n=name: c.replica_serving(n), 60, f"{name} serving again")
-    for node in c.node_names():
-        wait_for(lambda n=node: c.node_ready(n), 60, f"{node} ready again")
-    delete_all(c)
+    restore(cp_cluster)
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -175,30 +147,6 @@ def leader(c: LocalCluster) -> str:
         return ""
 
 
-def engine_run(c: LocalCluster, node: str, iid: str) -> dict[str, Any]:
-    """The ledger's last start event of an instance on a node."""
-    starts = [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "start"]
-    assert starts, f"no engine start of {iid} in {node}'s ledger"
-    return starts[-1]
-
-
-def stops_of(c: LocalCluster, node: str, iid: str) -> list[dict[str, Any]]:
-    return [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "stop"]
-
-
-def overlaps(events: list[dict[str, Any]], per_instance: Callable[[str], bool] = lambda _: True) -> list[str]:
-    """Pairs of engine runs alive at once on one device, or (for instances `per_instance` picks)
-    of one instance."""
-    runs = intervals(events)
-    bad = []
-    for i, a in enumerate(runs):
-        for b in runs[i + 1 :]:
-            same = a[1] == b[1] and per_instance(a[1])
-            if a[3] < b[4] and b[3] < a[4] and (same or set(a[2]) & set(b[2])):
-                bad.append(f"{a[1]}@{a[0]} {a[2]} overlaps {b[1]}@{b[0]} {b[2]}")
-    return bad
-
-
 def place_one(c: LocalCluster, name: str, **extra: Any) -> tuple[str, str, dict[str, Any]]:
     """Submit a 1-instance workload that may run on either node; (instance id, node, ledger start)."""
     submit(c, name=name, model="m", preferred_device_types=["cambricon", "ascend"], replicas=1, **extra)
@@ -243,7 +191,7 @@ def check_fenced_handover(c: LocalCluster, name: str, iid: str, lost: str, old: 
     replacement started; no two engines of one instance or on one device were ever alive at once."""
     other = next(n for n in c.node_names() if n != lost)
     wait_for(lambda: running_on(c, name, f"{other}/"), 120, f"{name} Running on {other}")
-    stops = [e for e in stops_of(c, lost, iid) if e["pid"] == old["pid"]]
+    stops = [e for e in events_of(c, lost, iid, "stop") if e["pid"] == old["pid"]]
     assert stops and "fenced" in stops[-1]["cause"], stops
     assert not pid_alive(old["pid"])
     new = engine_run(c, other, iid)
@@ -327,7 +275,7 @@ def test_stream_replica_lost_engine_keeps_running(cp_cluster: LocalCluster, how:
         assert pid_alive(old["pid"]), f"the engine stopped after its agent's replica was lost ({how})"
         time.sleep(0.2)
     assert pid_alive(old["pid"])
-    assert stops_of(c, node, iid) == []
+    assert events_of(c, node, iid, "stop") == []
     inst = get(c, "keep").instances[0]
     assert (inst.id, inst.node, inst.phase) == (iid, node, "Running")
     assert not [h for h in inst.history if "Rescheduled" in h.reason]
@@ -451,7 +399,7 @@ def outage(
         stops: list[dict[str, Any]] = []
         for _ in range(3000):  # bounded in count and time; paced so the count outlasts 60 s
             traffic(2)
-            stops = [e for e in stops_of(c, inst.node, inst.id) if e["pid"] == run["pid"]]
+            stops = [e for e in events_of(c, inst.node, inst.id, "stop") if e["pid"] == run["pid"]]
             if stops or time.monotonic() - began > 60:
                 break
             time.sleep(0.02)
