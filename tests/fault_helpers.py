@@ -134,6 +134,42 @@ def overlaps(events: list[dict[str, Any]], per_instance: Callable[[str], bool] =
 # ------------------------------------------------------------------------------- cluster views
 
 
+def log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """JSON log lines of one process whose `event` is `event`, oldest first."""
+    out = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if event in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == event:
+                out.append(rec)
+    return out
+
+
+def agent_log(c: LocalCluster, node: str) -> Path:
+    return c.base / "agents" / node / "agent.log"
+
+
+def stream_holder(c: LocalCluster, node: str) -> str:
+    """The replica (name) the node's agent registered with last."""
+    regs = log_events(agent_log(c, node), "registered with replica")
+    assert regs, f"{node} never registered"
+    return str(regs[-1]["replica_name"])
+
+
+def leader(c: LocalCluster) -> str:
+    try:
+        return c.leader()
+    except RuntimeError:
+        return ""
+
+
 def nodes_ready(cluster: LocalCluster) -> dict[str, bool]:
     resp = cluster.call_any("ListNodes", cluster_pb2.ListNodesRequest())
     assert isinstance(resp, cluster_pb2.ListNodesResponse)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,19 +24,24 @@ from typing import Any
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.procs import pid_alive, wait_for
+from devcluster.procs import ManagedProcess, pid_alive, wait_for
+from kunlun_common.api import workload_pb2
 from tests.fault_helpers import (
+    agent_log,
     all_events,
     engine_run,
     events_of,
     fault_cluster,
     fencing_agent_args,
+    leader,
+    log_events,
     nodes_ready,
     overlaps,
     restore,
     running_on,
+    stream_holder,
 )
-from tests.sched_helpers import get, set_config, submit, targets
+from tests.sched_helpers import call, get, set_config, submit, targets
 
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
 FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
@@ -83,42 +89,6 @@ def clean(cp_cluster: LocalCluster) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def log_events(path: Path, event: str) -> list[dict[str, Any]]:
-    """JSON log lines of one process whose `event` is `event`, oldest first."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if event in line:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == event:
-                out.append(rec)
-    return out
-
-
-def connected(pid: int, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to loopback port `port`."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        remote, state, inode = fields[2], fields[3], fields[9]
-        if state == "01" and inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
-            return True
-    return False
-
-
 def first_stamp(c: LocalCluster, replica: str) -> float:
     """Wall-clock time (by the replica's own clock) of the first line it logged."""
     from datetime import datetime
@@ -127,24 +97,6 @@ def first_stamp(c: LocalCluster, replica: str) -> float:
         if line.startswith("{"):
             return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
     raise AssertionError(f"{replica} logged no JSON line")
-
-
-def agent_log(c: LocalCluster, node: str) -> Path:
-    return c.base / "agents" / node / "agent.log"
-
-
-def stream_holder(c: LocalCluster, node: str) -> str:
-    """The replica (name) the node's agent registered with last."""
-    regs = log_events(agent_log(c, node), "registered with replica")
-    assert regs, f"{node} never registered"
-    return str(regs[-1]["replica_name"])
-
-
-def leader(c: LocalCluster) -> str:
-    try:
-        return c.leader()
-    except RuntimeError:
-        return ""
 
 
 def place_one(c: LocalCluster, name: str, **extra: Any) -> tuple[str, str, dict[str, Any]]:
@@ -318,6 +270,128 @@ def test_leader_failover_inside_the_grace_restarts_it(cp_cluster: LocalCluster) 
         check_fenced_handover(c, "fo", iid, lost, old)
     finally:
         agent.resume()
+
+
+def engines_via_cli(c: LocalCluster, node: str, config: Path) -> list[dict[str, Any]]:
+    """`kunlun-cli node engines NODE -o json`: the node's ledger read through the control plane."""
+    r = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli.main", "node", "engines", node, "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"KUNLUN_CONFIG": str(config), "PATH": "/usr/bin:/bin"},
+    )
+    assert r.returncode == 0, r.stderr
+    return list(json.loads(r.stdout)["items"])
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line or environment names `text` (an instance id)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            seen = (d / "cmdline").read_bytes() + (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in seen and pid_alive(int(d.name)):
+            found.append(int(d.name))
+    return found
+
+
+def test_lagging_replica_old_assignment_set_is_ignored(cp_cluster: LocalCluster, tmp_path: Path) -> None:
+    """A replica whose watch lags (the failpoint holds its cache; its writes still work) pushes an
+    assignment set older than the one the agent applied: the agent ignores it and says so, the
+    removed instance does not come back (ledger, through `node engines`, and processes), and once
+    the lag heals the agent converges to the current set."""
+    from controlplane.cli.config import ClientConfig, write_client_config
+    from controlplane.failpoints import ALLOW_FLAG, WATCH_HOLD_ENV
+    from kunlun_common.pki import paths_for
+
+    c = cp_cluster
+    iid, node, old = place_one(c, "gone")
+    holder, lead = stream_holder(c, node), leader(c)
+    lag = next(r for r in c.replicas if r not in (holder, lead))
+    hold = tmp_path / "hold-watch"
+    # the lagging replica: started again with the failpoint (its own clock skew kept)
+    c.replicas[lag].stop()
+    proc = ManagedProcess(
+        lag,
+        [*c.replica_argv(lag, c.replica_addrs[lag]), ALLOW_FLAG],
+        c.base / "replicas" / f"{lag}.log",
+        env={**c.spec.replica_env.get(lag, {}), WATCH_HOLD_ENV: str(hold)},
+    )
+    proc.start()
+    c.replicas[lag] = proc
+    p = paths_for(c.cert_dir, "operator", "admin")
+    cfg = tmp_path / "config.yaml"
+    write_client_config(cfg, ClientConfig((c.replica_addrs[lag],), str(p.ca), str(p.cert), str(p.key)))
+    try:
+        _lag_and_heal(c, lag, hold, cfg, iid, node, old)
+    finally:
+        hold.unlink(missing_ok=True)
+        # the replica runs again without the failpoint (the next tests must not inherit it)
+        proc.stop()
+        c.restart_replica(lag)
+
+
+def _lag_and_heal(
+    c: LocalCluster, lag: str, hold: Path, cfg: Path, iid: str, node: str, old: dict[str, Any]
+) -> None:
+    try:
+        wait_for(lambda: c.replica_serving(lag), 60, f"{lag} serving with the failpoint")
+        hold.touch()  # from here on, lag's cache (loaded at its start: gone is there) stays as it is
+        # the removal, applied by the agent from an up-to-date replica: the engine stops
+        call(c, lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name="gone"))
+        wait_for(lambda: events_of(c, node, iid, "stop"), 60, "gone's engine stopped")
+        assert not pid_alive(old["pid"])
+        assert stream_holder(c, node) != lag
+        applied = log_events(agent_log(c, node), "assignments received")[-1]["revision"]
+        # every up-to-date replica killed: the agent's only way back is the lagging one
+        regs = len(log_events(agent_log(c, node), "registered with replica"))
+        for name, r in c.replicas.items():
+            if name != lag:
+                r.kill()
+        wait_for(
+            lambda: (
+                len(log_events(agent_log(c, node), "registered with replica")) > regs
+                and stream_holder(c, node) == lag
+            ),
+            60,
+            f"{node} registered with {lag}",
+        )
+
+        def outcome() -> bool:
+            return bool(log_events(agent_log(c, node), IGNORED)) or len(events_of(c, node, iid, "start")) > 1
+
+        wait_for(outcome, 60, "the old set ignored (or applied)")
+        assert len(events_of(c, node, iid, "start")) == 1, "the removed instance came back"
+        ignored = log_events(agent_log(c, node), IGNORED)
+        assert ignored and ignored[-1]["revision"] < ignored[-1]["applied_revision"] == applied, ignored
+        # nothing of the removed instance runs: the ledger read through the (lagging) control plane,
+        # and the processes
+        mine = [e for e in engines_via_cli(c, node, cfg) if e["instance"] == iid]
+        assert [e["event"] for e in mine] == ["start", "stop"], mine
+        assert processes_naming(iid) == []
+        # a workload submitted during the lag, pinned to a free device of that node: only the
+        # current set has it
+        free = next(
+            d.name
+            for d in c.devices()
+            if d.name.startswith(f"{node}/") and d.name not in old["devices"] and "nvidia" not in d.name
+        )
+        submit(c, name="later", model="m", pin=free, replicas=1)
+        for name in c.replicas:
+            if name != lag:
+                c.restart_replica(name)
+    finally:
+        hold.unlink(missing_ok=True)  # the lag heals
+    wait_for(lambda: running_on(c, "later", f"{node}/"), 120, "later Running once the lag healed")
+    assert stream_holder(c, node) == lag
+    assert log_events(agent_log(c, node), "assignments received")[-1]["revision"] > applied
+    assert len(events_of(c, node, iid, "start")) == 1 and processes_naming(iid) == []
+    assert overlaps(all_events(c)) == []
 
 
 def chat(gateway: str, model: str, timeout: float = 5.0) -> int:
