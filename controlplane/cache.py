@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -120,6 +120,8 @@ class GraphCache:
         self._rev_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
+        self.hold: Callable[[], Awaitable[None]] | None = None
+        """Awaited before each watch event is applied (tests only: controlplane/failpoints.py)."""
 
     # ------------------------------------------------------------------ reading
     def prefix(self, prefix: str) -> list[KV]:
@@ -241,6 +243,8 @@ class GraphCache:
     async def _follow(self, start: int) -> None:
         assert self.store is not None
         async for ev in self.store.watch_prefix(keys.ROOT, start):
+            if self.hold is not None:
+                await self.hold()
             if isinstance(ev, Resync):
                 self.load(ev.kvs, ev.revision)
             else:

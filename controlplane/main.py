@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import Any
 
+from controlplane import failpoints
 from controlplane.election import ElectionSettings
 from controlplane.settings import ReplicaSettings
 from kunlun_common.errors import ConfigError, KunlunError
@@ -47,7 +49,13 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
         "--profile-dir",
         help="folder of run-time profiles (Chrome trace files), written while the scheduler settings switch advanced_profiling on",
     )
+    p.add_argument(
+        "--allow-test-failpoints",
+        action="store_true",
+        help="tests only: honour KUNLUN_FAILPOINT_* variables (controlplane/failpoints.py); without it they are refused",
+    )
     a = p.parse_args(argv)
+    failpoints.from_env(os.environ, a.allow_test_failpoints)  # refuses a failpoint without the flag
     data: dict[str, Any] = load_yaml_mapping(a.config) if a.config else {}
     source = a.config or "flags"
     if a.profile_dir is not None:
@@ -85,8 +93,10 @@ def build_settings(argv: list[str] | None = None) -> ReplicaSettings:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         settings = build_settings(argv)
+        points = failpoints.from_env(os.environ, failpoints.ALLOW_FLAG in argv)
     except ConfigError as e:
         print(f"kunlun-platform: {e}", file=sys.stderr)
         sys.exit(2)
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             uvloop.install()
         except ImportError:  # pragma: no cover
             pass
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, points))
     except ConfigError as e:
         print(f"kunlun-platform: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import structlog
@@ -29,6 +30,7 @@ from controlplane.api.telemetry_service import TelemetryService
 from controlplane.api.workload_service import WorkloadService
 from controlplane.certs_state import Revocations, SeenCertificates
 from controlplane.election import Elector, Fence
+from controlplane.failpoints import Failpoints, watch_hold
 from controlplane.feeds import Feeds
 from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
@@ -450,9 +452,13 @@ def dump_tasks() -> None:
         log.info("task stack", task=t.get_name(), stack=buf.getvalue())
 
 
-async def serve(settings: ReplicaSettings) -> None:
-    """Run a replica until SIGTERM/SIGINT."""
+async def serve(settings: ReplicaSettings, points: Failpoints | None = None) -> None:
+    """Run a replica until SIGTERM/SIGINT. `points`: test-only failpoints (controlplane/failpoints.py)."""
     replica = Replica(settings)
+    if points is not None and points.active():
+        log.warning("TEST FAILPOINTS active: this replica is not for production", failpoints=points.active())
+        if points.watch_hold_file:
+            replica.feeds.cache.hold = watch_hold(Path(points.watch_hold_file))
     await replica.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

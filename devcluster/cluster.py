@@ -62,6 +62,9 @@ class ClusterSpec:
     """Number of inference gateways (one per control-plane host in production)."""
     gateway_args: tuple[str, ...] = ()
     """Extra flags for every gateway."""
+    gateway_https: bool = False
+    """Gateways serve HTTPS with their own certificate (from the cluster CA, `ca.crt`) and require
+    API keys, as production configs do; off: plain HTTP without keys on loopback (the demo)."""
     metrics: bool = True
     """Give every replica, agent and gateway a Prometheus exporter on a free loopback port."""
     supervise_replicas: bool = False
@@ -262,8 +265,21 @@ class LocalCluster:
             *self.metrics_flag(name),
             f"--profile-dir={self.profile_dir}",
             f"--log-format={self.spec.log_format}",
+            *self.https_flags(name),
             *self.spec.gateway_args,
         ]
+
+    def https_flags(self, name: str) -> list[str]:
+        """`--tls-cert/--tls-key/--require-api-key` when the gateways serve HTTPS: the gateway's own
+        certificate (server usage, the host's names) doubles as its HTTPS certificate."""
+        if not self.spec.gateway_https:
+            return []
+        own = self.bundle("gateway", name) / "gateway"
+        return [f"--tls-cert={own / f'{name}.crt'}", f"--tls-key={own / f'{name}.key'}", "--require-api-key"]
+
+    def gateway_url(self, name: str) -> str:
+        """The gateway's base URL (https:// when it serves HTTPS: trust `ca.crt`)."""
+        return f"{'https' if self.spec.gateway_https else 'http'}://{self.gateway_addrs[name]}"
 
     def start_gateways(self, timeout: float = 30.0) -> None:
         for i in range(self.spec.gateways):
@@ -277,10 +293,16 @@ class LocalCluster:
             wait_for(lambda n=name: self.gateway_serving(n), timeout, f"gateway {name} to serve")
 
     def gateway_serving(self, name: str) -> bool:
+        import ssl
         import urllib.request
 
+        ctx = (
+            ssl.create_default_context(cafile=str(self.cert_dir / "ca.crt"))
+            if self.spec.gateway_https
+            else None
+        )
         try:
-            with urllib.request.urlopen(f"http://{self.gateway_addrs[name]}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.gateway_url(name)}/health", timeout=2, context=ctx) as r:
                 return bool(r.status == 200)
         except OSError:
             return False

@@ -145,6 +145,13 @@ class Gateway:
         if self.router_sync is not None:
             self.router_sync.kick()
 
+    async def _feed_after_first_list(self) -> None:
+        """Trust a replica only once the revocation list is in (revocation.first_fetch): a fresh
+        gateway knows no revocation before it."""
+        await revocation.first_fetch(self.settings.endpoints, self._material, self.revoked)
+        assert self.feed is not None
+        await self.feed.run()
+
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
@@ -166,7 +173,7 @@ class Gateway:
                 revoked=self.revoked,
             )
             self.feed.info.metrics_address = self.metrics_address
-            self._tasks.append(asyncio.create_task(self.feed.run(), name="gateway-feed"))
+            self._tasks.append(asyncio.create_task(self._feed_after_first_list(), name="gateway-feed"))
             self._tasks.append(
                 asyncio.create_task(
                     revocation.follow(s.endpoints, self._material, self.revoked), name="revocations"

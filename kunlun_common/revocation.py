@@ -12,6 +12,12 @@ The list only grows within a process: a revocation is permanent (the control pla
 moves to the next replica at every poll, so one replica that hides revocations (a compromised one,
 or one whose own certificate was revoked) cannot keep them from a process for more than one
 round; a replica whose own certificate is on the list is never asked.
+
+A fresh process knows no revocation at all, so before it trusts any server it fetches the list
+from every replica at once and keeps the union (`first_fetch`): a replica whose certificate was
+revoked, or anyone holding such a certificate and posing as a replica, is then refused from the
+first connection on, and one replica hiding revocations cannot hide them on its own. The agent's
+NodeService refuses callers until that first list is in (`RevokedSerials.fetches`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import structlog
 from cryptography import x509
 
 from kunlun_common.api import security_pb2, security_pb2_grpc
+from kunlun_common.retry import backoff_delay
 from kunlun_common.server_check import RevokedServer, checked_server
 from kunlun_common.tls import TlsMaterial, channel_credentials
 
@@ -59,6 +66,52 @@ class RevokedSerials:
         while serial not in self.serials:
             await self._changed.wait()
         raise RevokedServer(f"{address}'s certificate {serial} was revoked; leaving it for another replica")
+
+
+async def _ask(ep: str, m: TlsMaterial, timeout_s: float) -> list[str]:
+    """The list one replica holds (a replica of an older release that does not serve it: none).
+    Raises OSError / ssl.SSLError / grpc.aio.AioRpcError when the replica cannot be asked."""
+    await checked_server(ep, m, frozenset(), connect_timeout_s=timeout_s)
+    async with grpc.aio.secure_channel(ep, channel_credentials(m)) as ch:
+        try:
+            resp = await security_pb2_grpc.SecurityServiceStub(ch).ListRevocations(
+                security_pb2.ListRevocationsRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return []
+            raise
+    return [r.serial for r in resp.revocations]
+
+
+async def first_fetch(
+    endpoints: Sequence[str],
+    material: Callable[[], TlsMaterial],
+    revoked: RevokedSerials,
+    timeout_s: float = 3.0,
+) -> int:
+    """Before a fresh process trusts any server: ask every replica at once (each within
+    `timeout_s`) and keep the union of their lists. Repeats, with backoff and jitter, until at
+    least one replica answered (none answering means no replica could be used anyway); returns how
+    many answered."""
+    rounds = 0
+    while True:
+        m = material()
+        answers = await asyncio.gather(*(_ask(ep, m, timeout_s) for ep in endpoints), return_exceptions=True)
+        lists = [a for a in answers if isinstance(a, list)]
+        if lists:
+            revoked.update([s for one in lists for s in one])
+            log.info(
+                "revocation list fetched", replicas=len(lists), of=len(endpoints), size=len(revoked.serials)
+            )
+            return len(lists)
+        rounds += 1
+        if rounds == 1:
+            log.warning(
+                "revocation list not fetched yet: no replica answered; no replica is trusted before it",
+                reasons=sorted({f"{type(a).__name__}: {a}"[:200] for a in answers}),
+            )
+        await asyncio.sleep(backoff_delay(rounds, 0.2, 3.0))
 
 
 async def follow(

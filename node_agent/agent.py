@@ -295,6 +295,13 @@ class Agent:
             await asyncio.to_thread(self.profiler.close)
             await self.devices.stop()
 
+    async def _link_after_first_list(self) -> None:
+        """Connect to a replica only once the revocation list is in: a fresh agent knows no
+        revocation, so without it a revoked replica certificate would be trusted until the first
+        poll (revocation.first_fetch)."""
+        await revocation.first_fetch(self.settings.endpoints, lambda: self.tls, self.revoked)
+        await self.link.run()
+
     async def _run(self) -> None:
         await self.devices.sample()
         why = self.explain_no_devices()
@@ -311,7 +318,7 @@ class Agent:
             protection_notes=list(self.protections.notes),
         )
         tasks = [
-            asyncio.create_task(self.link.run(), name="link"),
+            asyncio.create_task(self._link_after_first_list(), name="link"),
             asyncio.create_task(self._sample_loop(), name="sampler"),
             asyncio.create_task(self._renew_fence(), name="fence"),
             asyncio.create_task(

@@ -65,6 +65,13 @@ class NodeServiceServicer(agent_pb2_grpc.NodeServiceServicer):
         self.log_file = LogSettings().file_name
 
     async def _refuse_revoked(self, context: Ctx) -> None:
+        if self.revoked is not None and self.revoked.fetches == 0:
+            # a fresh agent cannot tell a revoked certificate yet (revocation.first_fetch)
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "this agent has not fetched the revocation list yet; retry in a few seconds",
+            )
         cert = tls.peer_certificate(context.auth_context())  # type: ignore[arg-type]
         if cert is not None and self.revoked is not None and self.revoked.revoked(cert):
             log.warning(

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
-import shutil
-import tempfile
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,10 +24,24 @@ from typing import Any
 import pytest
 
 from devcluster.cluster import LocalCluster
-from devcluster.procs import pid_alive, wait_for
-from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import delete_all, get, set_config, submit, targets
-from tests.test_placement_safety import all_events, intervals, ledger, nodes_ready, running_on
+from devcluster.procs import ManagedProcess, pid_alive, wait_for
+from kunlun_common.api import workload_pb2
+from tests.fault_helpers import (
+    agent_log,
+    all_events,
+    engine_run,
+    events_of,
+    fault_cluster,
+    fencing_agent_args,
+    leader,
+    log_events,
+    nodes_ready,
+    overlaps,
+    restore,
+    running_on,
+    stream_holder,
+)
+from tests.sched_helpers import call, get, set_config, submit, targets
 
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 2.0
 FENCE_SLACK_S = 1.0  # node_agent/executor/fence.py
@@ -53,98 +66,27 @@ def skewed_env() -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def cp_cluster() -> Iterator[LocalCluster]:
     """Short lease, grace, deadline and election TTL: 3 + 1 (slack) + 2 (fenced) < 3 + 5 (moved)."""
-    base = Path(tempfile.mkdtemp(prefix="kunlun-cpfaults-", dir=FAST_TMP))
-    c = start_cluster(
-        base,
+    with fault_cluster(
+        "test_cp_faults",
         node_lease_ttl_s=LEASE_S,
         election_ttl_s=3,
         renew_deadline_s=2.0,
         retry_period_s=0.5,
         gateways=1,
         replica_env=skewed_env(),
-        agent_args=(
-            "--test-engine-fallback",
-            "--stop-engines-on-exit",
-            f"--disconnect-stop={DEADLINE_S:g}",
-            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
-            "--heartbeat-interval=0.5",  # must not stop the engines
-            f"--stop-grace={STOP_GRACE_S:g}",
-        ),
-    )
-    try:
+        agent_args=fencing_agent_args(DEADLINE_S, STOP_GRACE_S),
+    ) as c:
         set_config(c, f"node_not_ready_grace_seconds: {GRACE_S:g}\n")
         yield c
-    finally:
-        c.stop()
-        keep = LOG_KEEP / "test_cp_faults"
-        shutil.rmtree(keep, ignore_errors=True)
-        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log"), *base.glob("gateways/*")]:
-            dest = keep / log.relative_to(base)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def clean(cp_cluster: LocalCluster) -> Iterator[None]:
-    c = cp_cluster
     yield
-    for m in c.etcd.members:
-        if not m.proc.alive():
-            m.proc.start()
-    for name, proc in c.replicas.items():
-        proc.resume()
-        if not proc.alive():
-            c.restart_replica(name)
-    for node, cfg in zip(c.node_names(), c.spec.node_configs, strict=True):
-        proc = c.agents[node]
-        proc.resume()
-        if not proc.alive():
-            c.start_agent(cfg, node)
-    for name in c.replicas:
-        wait_for(lambda n=name: c.replica_serving(n), 60, f"{name} serving again")
-    for node in c.node_names():
-        wait_for(lambda n=node: c.node_ready(n), 60, f"{node} ready again")
-    delete_all(c)
+    restore(cp_cluster)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-
-
-def log_events(path: Path, event: str) -> list[dict[str, Any]]:
-    """JSON log lines of one process whose `event` is `event`, oldest first."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if event in line:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == event:
-                out.append(rec)
-    return out
-
-
-def connected(pid: int, port: int) -> bool:
-    """Whether process `pid` holds an established TCP connection to loopback port `port`."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        remote, state, inode = fields[2], fields[3], fields[9]
-        if state == "01" and inode in inodes and int(remote.rsplit(":", 1)[1], 16) == port:
-            return True
-    return False
 
 
 def first_stamp(c: LocalCluster, replica: str) -> float:
@@ -155,48 +97,6 @@ def first_stamp(c: LocalCluster, replica: str) -> float:
         if line.startswith("{"):
             return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
     raise AssertionError(f"{replica} logged no JSON line")
-
-
-def agent_log(c: LocalCluster, node: str) -> Path:
-    return c.base / "agents" / node / "agent.log"
-
-
-def stream_holder(c: LocalCluster, node: str) -> str:
-    """The replica (name) the node's agent registered with last."""
-    regs = log_events(agent_log(c, node), "registered with replica")
-    assert regs, f"{node} never registered"
-    return str(regs[-1]["replica_name"])
-
-
-def leader(c: LocalCluster) -> str:
-    try:
-        return c.leader()
-    except RuntimeError:
-        return ""
-
-
-def engine_run(c: LocalCluster, node: str, iid: str) -> dict[str, Any]:
-    """The ledger's last start event of an instance on a node."""
-    starts = [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "start"]
-    assert starts, f"no engine start of {iid} in {node}'s ledger"
-    return starts[-1]
-
-
-def stops_of(c: LocalCluster, node: str, iid: str) -> list[dict[str, Any]]:
-    return [e for e in ledger(c, node) if e["instance"] == iid and e["event"] == "stop"]
-
-
-def overlaps(events: list[dict[str, Any]], per_instance: Callable[[str], bool] = lambda _: True) -> list[str]:
-    """Pairs of engine runs alive at once on one device, or (for instances `per_instance` picks)
-    of one instance."""
-    runs = intervals(events)
-    bad = []
-    for i, a in enumerate(runs):
-        for b in runs[i + 1 :]:
-            same = a[1] == b[1] and per_instance(a[1])
-            if a[3] < b[4] and b[3] < a[4] and (same or set(a[2]) & set(b[2])):
-                bad.append(f"{a[1]}@{a[0]} {a[2]} overlaps {b[1]}@{b[0]} {b[2]}")
-    return bad
 
 
 def place_one(c: LocalCluster, name: str, **extra: Any) -> tuple[str, str, dict[str, Any]]:
@@ -243,7 +143,7 @@ def check_fenced_handover(c: LocalCluster, name: str, iid: str, lost: str, old: 
     replacement started; no two engines of one instance or on one device were ever alive at once."""
     other = next(n for n in c.node_names() if n != lost)
     wait_for(lambda: running_on(c, name, f"{other}/"), 120, f"{name} Running on {other}")
-    stops = [e for e in stops_of(c, lost, iid) if e["pid"] == old["pid"]]
+    stops = [e for e in events_of(c, lost, iid, "stop") if e["pid"] == old["pid"]]
     assert stops and "fenced" in stops[-1]["cause"], stops
     assert not pid_alive(old["pid"])
     new = engine_run(c, other, iid)
@@ -327,7 +227,7 @@ def test_stream_replica_lost_engine_keeps_running(cp_cluster: LocalCluster, how:
         assert pid_alive(old["pid"]), f"the engine stopped after its agent's replica was lost ({how})"
         time.sleep(0.2)
     assert pid_alive(old["pid"])
-    assert stops_of(c, node, iid) == []
+    assert events_of(c, node, iid, "stop") == []
     inst = get(c, "keep").instances[0]
     assert (inst.id, inst.node, inst.phase) == (iid, node, "Running")
     assert not [h for h in inst.history if "Rescheduled" in h.reason]
@@ -370,6 +270,128 @@ def test_leader_failover_inside_the_grace_restarts_it(cp_cluster: LocalCluster) 
         check_fenced_handover(c, "fo", iid, lost, old)
     finally:
         agent.resume()
+
+
+def engines_via_cli(c: LocalCluster, node: str, config: Path) -> list[dict[str, Any]]:
+    """`kunlun-cli node engines NODE -o json`: the node's ledger read through the control plane."""
+    r = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli.main", "node", "engines", node, "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"KUNLUN_CONFIG": str(config), "PATH": "/usr/bin:/bin"},
+    )
+    assert r.returncode == 0, r.stderr
+    return list(json.loads(r.stdout)["items"])
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line or environment names `text` (an instance id)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            seen = (d / "cmdline").read_bytes() + (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in seen and pid_alive(int(d.name)):
+            found.append(int(d.name))
+    return found
+
+
+def test_lagging_replica_old_assignment_set_is_ignored(cp_cluster: LocalCluster, tmp_path: Path) -> None:
+    """A replica whose watch lags (the failpoint holds its cache; its writes still work) pushes an
+    assignment set older than the one the agent applied: the agent ignores it and says so, the
+    removed instance does not come back (ledger, through `node engines`, and processes), and once
+    the lag heals the agent converges to the current set."""
+    from controlplane.cli.config import ClientConfig, write_client_config
+    from controlplane.failpoints import ALLOW_FLAG, WATCH_HOLD_ENV
+    from kunlun_common.pki import paths_for
+
+    c = cp_cluster
+    iid, node, old = place_one(c, "gone")
+    holder, lead = stream_holder(c, node), leader(c)
+    lag = next(r for r in c.replicas if r not in (holder, lead))
+    hold = tmp_path / "hold-watch"
+    # the lagging replica: started again with the failpoint (its own clock skew kept)
+    c.replicas[lag].stop()
+    proc = ManagedProcess(
+        lag,
+        [*c.replica_argv(lag, c.replica_addrs[lag]), ALLOW_FLAG],
+        c.base / "replicas" / f"{lag}.log",
+        env={**c.spec.replica_env.get(lag, {}), WATCH_HOLD_ENV: str(hold)},
+    )
+    proc.start()
+    c.replicas[lag] = proc
+    p = paths_for(c.cert_dir, "operator", "admin")
+    cfg = tmp_path / "config.yaml"
+    write_client_config(cfg, ClientConfig((c.replica_addrs[lag],), str(p.ca), str(p.cert), str(p.key)))
+    try:
+        _lag_and_heal(c, lag, hold, cfg, iid, node, old)
+    finally:
+        hold.unlink(missing_ok=True)
+        # the replica runs again without the failpoint (the next tests must not inherit it)
+        proc.stop()
+        c.restart_replica(lag)
+
+
+def _lag_and_heal(
+    c: LocalCluster, lag: str, hold: Path, cfg: Path, iid: str, node: str, old: dict[str, Any]
+) -> None:
+    try:
+        wait_for(lambda: c.replica_serving(lag), 60, f"{lag} serving with the failpoint")
+        hold.touch()  # from here on, lag's cache (loaded at its start: gone is there) stays as it is
+        # the removal, applied by the agent from an up-to-date replica: the engine stops
+        call(c, lambda s: s.DeleteWorkload, workload_pb2.DeleteWorkloadRequest(name="gone"))
+        wait_for(lambda: events_of(c, node, iid, "stop"), 60, "gone's engine stopped")
+        assert not pid_alive(old["pid"])
+        assert stream_holder(c, node) != lag
+        applied = log_events(agent_log(c, node), "assignments received")[-1]["revision"]
+        # every up-to-date replica killed: the agent's only way back is the lagging one
+        regs = len(log_events(agent_log(c, node), "registered with replica"))
+        for name, r in c.replicas.items():
+            if name != lag:
+                r.kill()
+        wait_for(
+            lambda: (
+                len(log_events(agent_log(c, node), "registered with replica")) > regs
+                and stream_holder(c, node) == lag
+            ),
+            60,
+            f"{node} registered with {lag}",
+        )
+
+        def outcome() -> bool:
+            return bool(log_events(agent_log(c, node), IGNORED)) or len(events_of(c, node, iid, "start")) > 1
+
+        wait_for(outcome, 60, "the old set ignored (or applied)")
+        assert len(events_of(c, node, iid, "start")) == 1, "the removed instance came back"
+        ignored = log_events(agent_log(c, node), IGNORED)
+        assert ignored and ignored[-1]["revision"] < ignored[-1]["applied_revision"] == applied, ignored
+        # nothing of the removed instance runs: the ledger read through the (lagging) control plane,
+        # and the processes
+        mine = [e for e in engines_via_cli(c, node, cfg) if e["instance"] == iid]
+        assert [e["event"] for e in mine] == ["start", "stop"], mine
+        assert processes_naming(iid) == []
+        # a workload submitted during the lag, pinned to a free device of that node: only the
+        # current set has it
+        free = next(
+            d.name
+            for d in c.devices()
+            if d.name.startswith(f"{node}/") and d.name not in old["devices"] and "nvidia" not in d.name
+        )
+        submit(c, name="later", model="m", pin=free, replicas=1)
+        for name in c.replicas:
+            if name != lag:
+                c.restart_replica(name)
+    finally:
+        hold.unlink(missing_ok=True)  # the lag heals
+    wait_for(lambda: running_on(c, "later", f"{node}/"), 120, "later Running once the lag healed")
+    assert stream_holder(c, node) == lag
+    assert log_events(agent_log(c, node), "assignments received")[-1]["revision"] > applied
+    assert len(events_of(c, node, iid, "start")) == 1 and processes_naming(iid) == []
+    assert overlaps(all_events(c)) == []
 
 
 def chat(gateway: str, model: str, timeout: float = 5.0) -> int:
@@ -451,7 +473,7 @@ def outage(
         stops: list[dict[str, Any]] = []
         for _ in range(3000):  # bounded in count and time; paced so the count outlasts 60 s
             traffic(2)
-            stops = [e for e in stops_of(c, inst.node, inst.id) if e["pid"] == run["pid"]]
+            stops = [e for e in events_of(c, inst.node, inst.id, "stop") if e["pid"] == run["pid"]]
             if stops or time.monotonic() - began > 60:
                 break
             time.sleep(0.02)

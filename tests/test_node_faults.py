@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +20,8 @@ from devcluster.cluster import EXAMPLES, LocalCluster
 from devcluster.procs import ManagedProcess, pid_alive, wait_for
 from kunlun_common.api import cluster_pb2, types_pb2, workload_pb2, workload_pb2_grpc
 from node_agent.executor import ledger as engine_ledger
-from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
+from tests.fault_helpers import events_of, fault_cluster, fencing_agent_args, ledger, overlaps, running_on
 from tests.sched_helpers import allocations, call, delete_all, get, set_config, submit, targets
-from tests.test_placement_safety import ledger, overlaps, running_on
 
 LEASE_S, DEADLINE_S, STOP_GRACE_S, GRACE_S = 3, 3.0, 5.0, 8.0
 """Fenced after 3 + 1 (slack) + 5 = 9 s, moved after 3 + 8 = 11 s; a stop grace long enough for an
@@ -35,48 +33,26 @@ SLOW_STOP_S = 4.0
 
 @pytest.fixture(scope="module")
 def faults_cluster() -> Iterator[LocalCluster]:
-    base = Path(tempfile.mkdtemp(prefix="kunlun-faults-", dir=FAST_TMP))
-    c = start_cluster(
-        base,
+    with fault_cluster(
+        "test_node_faults",
         node_lease_ttl_s=LEASE_S,
         gateways=0,
         metrics=False,
         extra_nodes=("node-x", "node-y"),
-        agent_args=(
-            "--test-engine-fallback",
-            "--stop-engines-on-exit",
-            f"--disconnect-stop={DEADLINE_S:g}",
-            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
-            "--heartbeat-interval=0.5",  # must not stop the engines
-            f"--stop-grace={STOP_GRACE_S:g}",
-        ),
-    )
-    try:
+        agent_args=fencing_agent_args(DEADLINE_S, STOP_GRACE_S),
+    ) as c:
         set_config(
             c,
             f"node_not_ready_grace_seconds: {GRACE_S:g}\n"
             f"device_unhealthy_grace_seconds: {UNHEALTHY_GRACE_S:g}\n",
         )
         yield c
-    finally:
-        c.stop()
-        keep = LOG_KEEP / "test_node_faults"
-        shutil.rmtree(keep, ignore_errors=True)
-        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log")]:
-            dest = keep / log.relative_to(base)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def clean(faults_cluster: LocalCluster) -> Iterator[None]:
     yield
     delete_all(faults_cluster)
-
-
-def runs_of(cluster: LocalCluster, node: str, iid: str, event: str) -> list[dict[str, Any]]:
-    return [e for e in ledger(cluster, node) if e["instance"] == iid and e["event"] == event]
 
 
 def device_status(cluster: LocalCluster, name: str) -> int:
@@ -99,7 +75,7 @@ def test_preemption_waits_for_the_victims_slow_engine(faults_cluster: LocalClust
     )
     wait_for(lambda: running_on(c, "low", dev), 120, "low Running")
     low = get(c, "low").instances[0].id
-    (low_run,) = runs_of(c, "node-b", low, "start")
+    (low_run,) = events_of(c, "node-b", low, "start")
     submit(c, name="high", model="m", pin=dev, priority="high")
     seen: list[str] = []
 
@@ -116,8 +92,8 @@ def test_preemption_waits_for_the_victims_slow_engine(faults_cluster: LocalClust
         seen
     )
     # the victim's engine (serving on 4 s after SIGTERM) was gone before the new one started
-    (low_stop,) = runs_of(c, "node-b", low, "stop")
-    (high_start,) = runs_of(c, "node-b", high, "start")
+    (low_stop,) = events_of(c, "node-b", low, "stop")
+    (high_start,) = events_of(c, "node-b", high, "start")
     assert not pid_alive(low_run["pid"])
     assert low_stop["mono_ns"] < high_start["mono_ns"]
     assert overlaps(ledger(c, "node-b")) == []
@@ -134,7 +110,7 @@ def test_unhealthy_device_moves_its_instance_after_the_grace(faults_cluster: Loc
     wait_for(lambda: running_on(c, "sick", "node-a/ascend:"), 120, "sick Running")
     inst = get(c, "sick").instances[0]
     iid, (dev,) = inst.id, inst.target_devices
-    (old,) = runs_of(c, "node-a", iid, "start")
+    (old,) = events_of(c, "node-a", iid, "start")
     state = c.base / "agents" / "node-a" / "sim-state.json"
     index = int(dev.rsplit(":", 1)[1])
     update_chip(state, "ascend", index, health="Critical")
@@ -150,7 +126,7 @@ def test_unhealthy_device_moves_its_instance_after_the_grace(faults_cluster: Loc
         reasons = [h.reason for h in get(c, "sick").instances[0].history]
         assert f"Rescheduled: device {dev} Unhealthy" in reasons, reasons
         # the same instance on the same agent: the old engine was gone before the new one started
-        stops, starts = runs_of(c, "node-a", iid, "stop"), runs_of(c, "node-a", iid, "start")
+        stops, starts = events_of(c, "node-a", iid, "stop"), events_of(c, "node-a", iid, "start")
         assert len(stops) == 1 and len(starts) == 2 and starts[0] == old
         assert stops[0]["pid"] == old["pid"] and stops[0]["mono_ns"] < starts[1]["mono_ns"]
         assert starts[1]["devices"] == [new_dev] and not pid_alive(old["pid"])
@@ -170,7 +146,7 @@ def test_a_failed_stop_is_retried_and_the_device_stays_held(faults_cluster: Loca
     submit(c, name="stuck", model="m", pin=dev)
     wait_for(lambda: running_on(c, "stuck", dev), 120, "stuck Running")
     iid = get(c, "stuck").instances[0].id
-    (run,) = runs_of(c, "node-b", iid, "start")
+    (run,) = events_of(c, "node-b", iid, "start")
     folder = c.base / "agents" / "node-b" / "instances" / iid
     blocker = folder / "stop.json" / "blocker"
     blocker.mkdir(parents=True)
@@ -191,7 +167,7 @@ def test_a_failed_stop_is_retried_and_the_device_stays_held(faults_cluster: Loca
     )
     status = saved()
     assert status["phase"] != "Stopped" and "retrying in" in status["reason"], status
-    assert pid_alive(run["pid"]) and folder.is_dir() and not runs_of(c, "node-b", iid, "stop")
+    assert pid_alive(run["pid"]) and folder.is_dir() and not events_of(c, "node-b", iid, "stop")
     after = get(c, "after").instances
     assert after and after[0].phase != "Running"
     assert after[0].reason.startswith(f"waiting for device {dev}: still held by instance {iid}"), after[
@@ -201,8 +177,8 @@ def test_a_failed_stop_is_retried_and_the_device_stays_held(faults_cluster: Loca
     wait_for(lambda: not pid_alive(run["pid"]), 30, "the retried stop to end the engine")
     wait_for(lambda: not folder.exists(), 30, "the stopped instance's folder removed")
     wait_for(lambda: running_on(c, "after", dev), 120, "after Running once the device is free")
-    (stop,) = runs_of(c, "node-b", iid, "stop")
-    (start,) = runs_of(c, "node-b", get(c, "after").instances[0].id, "start")
+    (stop,) = events_of(c, "node-b", iid, "stop")
+    (start,) = events_of(c, "node-b", get(c, "after").instances[0].id, "start")
     assert stop["mono_ns"] < start["mono_ns"]
     assert overlaps(ledger(c, "node-b")) == []
 

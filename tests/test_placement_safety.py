@@ -5,10 +5,8 @@ fencing inequality checked where its numbers enter. Overlap is judged from the e
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +17,19 @@ import pytest
 
 from devcluster.cluster import LocalCluster
 from devcluster.procs import pid_alive, wait_for
-from kunlun_common.api import cluster_pb2, workload_pb2
-from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster
-from tests.sched_helpers import call, delete_all, get, set_config, submit, targets
+from kunlun_common.api import workload_pb2
+from tests.fault_helpers import (
+    all_events,
+    events_of,
+    fault_cluster,
+    fencing_agent_args,
+    ledger,
+    nodes_ready,
+    overlaps,
+    restore,
+    running_on,
+)
+from tests.sched_helpers import call, get, set_config, submit, targets
 
 LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 3.0
 
@@ -29,95 +37,20 @@ LEASE_S, GRACE_S, DEADLINE_S, STOP_GRACE_S = 3, 5.0, 3.0, 3.0
 @pytest.fixture(scope="module")
 def safe_cluster() -> Iterator[LocalCluster]:
     """Short node lease, deadline and grace: 3 + 1 (slack) + 3 (fenced) < 3 + 5 (moved)."""
-    base = Path(tempfile.mkdtemp(prefix="kunlun-safety-", dir=FAST_TMP))
-    c = start_cluster(
-        base,
+    with fault_cluster(
+        "test_placement_safety",
         node_lease_ttl_s=LEASE_S,
         gateways=0,
-        agent_args=(
-            "--test-engine-fallback",
-            "--stop-engines-on-exit",
-            f"--disconnect-stop={DEADLINE_S:g}",
-            "--ack-timeout=1.5",  # + heartbeat 0.5 + failover 1 <= the deadline: one frozen replica
-            "--heartbeat-interval=0.5",  # must not stop the engines
-            f"--stop-grace={STOP_GRACE_S:g}",
-        ),
-    )
-    try:
+        agent_args=fencing_agent_args(DEADLINE_S, STOP_GRACE_S),
+    ) as c:
         set_config(c, f"node_not_ready_grace_seconds: {GRACE_S:g}\n")
         yield c
-    finally:
-        c.stop()
-        keep = LOG_KEEP / "test_placement_safety"
-        shutil.rmtree(keep, ignore_errors=True)
-        for log in [*base.glob("replicas/*.log"), *base.glob("agents/*/agent.log")]:
-            dest = keep / log.relative_to(base)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def clean(safe_cluster: LocalCluster) -> Iterator[None]:
     yield
-    for node, cfg in zip(safe_cluster.node_names(), safe_cluster.spec.node_configs, strict=True):
-        proc = safe_cluster.agents[node]
-        if not proc.alive():
-            safe_cluster.start_agent(cfg, node)
-    for node in safe_cluster.node_names():
-        wait_for(lambda n=node: safe_cluster.node_ready(n), 60, f"{node} ready again")
-    delete_all(safe_cluster)
-
-
-def ledger(cluster: LocalCluster, node: str) -> list[dict[str, Any]]:
-    path = cluster.base / "agents" / node / "ledger" / "engines.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def all_events(cluster: LocalCluster) -> list[dict[str, Any]]:
-    return [e for n in cluster.node_names() for e in ledger(cluster, n)]
-
-
-def intervals(events: list[dict[str, Any]]) -> list[tuple[str, str, list[str], int, int]]:
-    """(node, instance, devices, start_ns, stop_ns) per engine run; a run without a stop is open."""
-    open_runs: dict[tuple[str, str, int], dict[str, Any]] = {}
-    out = []
-    for e in sorted(events, key=lambda e: e["mono_ns"]):
-        key = (e["node"], e["instance"], e["pid"])
-        if e["event"] == "start":
-            open_runs[key] = e
-        elif key in open_runs:
-            s = open_runs.pop(key)
-            out.append((s["node"], s["instance"], s["devices"], s["mono_ns"], e["mono_ns"]))
-    for s in open_runs.values():
-        out.append((s["node"], s["instance"], s["devices"], s["mono_ns"], 2**63))
-    return out
-
-
-def overlaps(events: list[dict[str, Any]]) -> list[str]:
-    """Pairs of engine runs alive at once for one instance or on one device."""
-    runs = intervals(events)
-    bad = []
-    for i, a in enumerate(runs):
-        for b in runs[i + 1 :]:
-            if a[3] < b[4] and b[3] < a[4] and (a[1] == b[1] or set(a[2]) & set(b[2])):
-                bad.append(f"{a[1]}@{a[0]} {a[2]} overlaps {b[1]}@{b[0]} {b[2]}")
-    return bad
-
-
-def nodes_ready(cluster: LocalCluster) -> dict[str, bool]:
-    resp = cluster.call_any("ListNodes", cluster_pb2.ListNodesRequest())
-    assert isinstance(resp, cluster_pb2.ListNodesResponse)
-    return {n.name: n.ready for n in resp.nodes}
-
-
-def running_on(cluster: LocalCluster, name: str, prefix: str) -> bool:
-    s = get(cluster, name)
-    return bool(s.instances) and all(
-        i.phase == "Running" and all(t.startswith(prefix) for t in i.target_devices) for i in s.instances
-    )
+    restore(safe_cluster)
 
 
 def _lose_agent(cluster: LocalCluster, how: str) -> None:
@@ -129,7 +62,7 @@ def _lose_agent(cluster: LocalCluster, how: str) -> None:
     inst = get(cluster, "svc").instances[0]
     iid, lost = inst.id, inst.node
     other = next(n for n in cluster.node_names() if n != lost)
-    old = [e for e in ledger(cluster, lost) if e["instance"] == iid and e["event"] == "start"][-1]
+    old = events_of(cluster, lost, iid, "start")[-1]
     assert pid_alive(old["pid"])
     agent = cluster.agents[lost]
     if how == "stop":
@@ -147,10 +80,10 @@ def _lose_agent(cluster: LocalCluster, how: str) -> None:
         assert any("NotReady" in r and "as seen by this leader" in r for r in reasons), reasons
         wait_for(lambda: running_on(cluster, "svc", f"{other}/"), 120, f"svc Running on {other}")
         # the old engine stopped by itself (its agent is frozen or dead) and before the new one started
-        stops = [e for e in ledger(cluster, lost) if e["instance"] == iid and e["event"] == "stop"]
+        stops = events_of(cluster, lost, iid, "stop")
         assert stops and "fenced" in stops[-1]["cause"], stops
         assert not pid_alive(old["pid"])
-        new = [e for e in ledger(cluster, other) if e["instance"] == iid and e["event"] == "start"]
+        new = events_of(cluster, other, iid, "start")
         assert new and stops[-1]["mono_ns"] < new[-1]["mono_ns"]
         assert stops[-1]["boot_id"] == new[-1]["boot_id"]
         assert overlaps(all_events(cluster)) == []
@@ -184,7 +117,7 @@ def test_available_engine_keeps_serving_without_contact(safe_cluster: LocalClust
     inst = get(c, "avail").instances[0]
     iid, lost = inst.id, inst.node
     other = next(n for n in c.node_names() if n != lost)
-    old = [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "start"][-1]
+    old = events_of(c, lost, iid, "start")[-1]
     agent = c.agents[lost]
     paused_at = time.monotonic()
     agent.pause()
@@ -195,17 +128,14 @@ def test_available_engine_keeps_serving_without_contact(safe_cluster: LocalClust
         # the pause (deadline + slack + stop grace), and the move came after lease + grace
         assert time.monotonic() - paused_at > DEADLINE_S + 1 + STOP_GRACE_S
         assert pid_alive(old["pid"]), "the available engine was stopped without contact"
-        assert not [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
+        assert not events_of(c, lost, iid, "stop")
     finally:
         agent.resume()
     wait_for(lambda: not pid_alive(old["pid"]), 60, "the old engine stopped once its agent is back")
-
-    def stops() -> list[dict[str, Any]]:
-        return [e for e in ledger(c, lost) if e["instance"] == iid and e["event"] == "stop"]
-
     # the supervisor stamps the stop after the engine is reaped and its cgroup removed
-    wait_for(stops, 30, "the old engine's stop in the ledger")
-    assert "fenced" not in stops()[-1]["cause"], stops()
+    wait_for(lambda: events_of(c, lost, iid, "stop"), 30, "the old engine's stop in the ledger")
+    stops = events_of(c, lost, iid, "stop")
+    assert "fenced" not in stops[-1]["cause"], stops
 
 
 def test_device_handoff_waits_for_the_old_engine(safe_cluster: LocalCluster) -> None:
@@ -289,8 +219,6 @@ def test_grace_below_the_fencing_budget_is_refused(safe_cluster: LocalCluster) -
 
 
 def _config_text(cluster: LocalCluster) -> str:
-    from tests.sched_helpers import call
-
     resp = call(cluster, lambda s: s.GetSchedulerConfig, workload_pb2.SchedulerConfigRequest())
     assert isinstance(resp, workload_pb2.SchedulerConfigText)
     return resp.yaml
