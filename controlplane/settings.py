@@ -43,8 +43,8 @@ class ReplicaSettings:
     """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
     agent talking to a replica cut off from etcd moves to another replica. It counts in the fencing
     budget (an agent may hear its last ack this long after the lease's last refresh), so keep it
-    well under the lease. Node leases are refreshed every min(node_lease_ttl_s / 3, this / 2)
-    seconds, so acks keep flowing whatever the lease."""
+    well under the lease. Node leases are refreshed every min(node_lease_ttl_s / 3, 2/3 of
+    this) seconds, each on its own phase, so acks keep flowing whatever the lease."""
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""

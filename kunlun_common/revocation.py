@@ -149,7 +149,7 @@ async def follow(
                 if held is None:
                     try:
                         serial = await checked_server(ep, m, revoked.serials)
-                    except (RevokedServer, ssl.SSLError, OSError) as e:
+                    except (RevokedServer, ssl.SSLError, OSError, ValueError) as e:
                         log.debug("revocation list not fetched from this replica", replica=ep, reason=str(e))
                         continue
                     held = channels[ep] = (grpc.aio.secure_channel(ep, channel_credentials(m)), id(m), serial)

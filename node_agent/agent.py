@@ -41,6 +41,13 @@ from node_agent.settings import AgentSettings
 from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("agent")
+
+
+class AgentLoopEnded(RuntimeError):
+    """One of the agent's loops (link, sampler, fence, revocations) ended without being asked to:
+    a bug; restarting the agent can help (its engines are adopted, or fenced, as on any restart)."""
+
+
 VERSION = "0.1.0"
 DEFAULT_NODE_LEASE_S = 5.0  # the replicas' default node_lease_ttl_s
 DEFAULT_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
@@ -332,7 +339,20 @@ class Agent:
         loop.add_signal_handler(signal.SIGHUP, self.live_tls.reload)
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        # a loop that ended on its own is a bug (each runs until cancelled): say which and why, and
+        # exit non-zero so that systemd restarts the agent instead of leaving the node NotReady
+        ended = [t for t in tasks if t.done() and not t.cancelled()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for t in ended:
+            exc = t.exception()
+            log.error(
+                "agent loop ended on its own; stopping the agent",
+                loop=t.get_name(),
+                error=f"{type(exc).__name__}: {exc}" if exc is not None else "returned",
+                exc_info=exc,
+            )
+        if ended and not stop.is_set():
+            raise AgentLoopEnded(", ".join(sorted(t.get_name() for t in ended)))
         log.info("agent stopped", node=self.config.node_name)

@@ -95,6 +95,10 @@ class ReplicaLink:
                     replica=ep,
                     reason=reason or type(e).__name__,
                 )
+            except Exception as e:  # a bug must not end the link: the node would stay NotReady
+                log.exception(
+                    "replica link failed unexpectedly; trying the next replica", replica=ep, error=repr(e)
+                )
             self.connected_to = ""
             self.registered.clear()
             i += 1

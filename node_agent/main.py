@@ -258,10 +258,15 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"kunlun-agent: {e}", file=sys.stderr)
         sys.exit(2)
+    from node_agent.agent import AgentLoopEnded
+
     try:
         asyncio.run(agent.run())
     except KeyboardInterrupt:
         pass
+    except AgentLoopEnded as e:
+        print(f"kunlun-agent: stopped: a loop ended on its own ({e}); restart the agent", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

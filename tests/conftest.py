@@ -198,3 +198,32 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(log, dest)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _log_tail(text: str, lines: int = 25) -> str:
+    """The last `lines` lines of a process log that are not routine heartbeat chatter."""
+    kept = [
+        ln[:400] for ln in text.splitlines() if '"heartbeat' not in ln and "assignments received" not in ln
+    ]
+    return "\n".join(kept[-lines:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """When a test on a local cluster fails, its report carries the tail of every replica's and
+    agent's log: CI prints the report, and the cluster's folder is gone by the time anyone looks."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed or call.when == "setup":
+        return
+    funcargs = getattr(item, "funcargs", {})
+    for value in funcargs.values():
+        if isinstance(value, LocalCluster):
+            procs = [*value.replicas.items(), *value.agents.items()]
+            for name, proc in procs:
+                try:
+                    tail = _log_tail(proc.log_text())
+                except Exception as e:  # a post-mortem must never mask the failure itself
+                    tail = f"(log unreadable: {e})"
+                report.sections.append((f"log tail: {name}", tail))
+            break
