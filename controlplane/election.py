@@ -27,6 +27,7 @@ from controlplane import keys
 from controlplane.store import Compare, EtcdStore, GetOp, Op, PutOp, Resync, TxnResult
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
+from kunlun_common.messages import msg
 
 log = structlog.get_logger("election")
 
@@ -44,18 +45,31 @@ class ElectionSettings:
 
     def __post_init__(self) -> None:
         if self.ttl_s < 2:
-            raise ConfigError(f"election ttl_s must be at least 2 seconds, found {self.ttl_s}")
+            raise ConfigError(
+                msg("election.ttl", "election ttl_s must be at least 2 seconds, found {ttl}", ttl=self.ttl_s)
+            )
         if not self.ttl_s > self.renew_deadline_s:
             raise ConfigError(
-                f"election ttl_s ({self.ttl_s}) must be greater than renew_deadline_s ({self.renew_deadline_s})"
+                msg(
+                    "election.ttl_deadline",
+                    "election ttl_s ({ttl}) must be greater than renew_deadline_s ({deadline})",
+                    ttl=self.ttl_s,
+                    deadline=self.renew_deadline_s,
+                )
             )
         if not self.renew_deadline_s > 1.2 * self.retry_period_s:
             raise ConfigError(
-                f"election renew_deadline_s ({self.renew_deadline_s}) must be greater than 1.2 x retry_period_s "
-                f"({self.retry_period_s}), i.e. > {1.2 * self.retry_period_s:g}"
+                msg(
+                    "election.deadline_retry",
+                    "election renew_deadline_s ({deadline}) must be greater than 1.2 x retry_period_s "
+                    "({retry}), i.e. > {least:g}",
+                    deadline=self.renew_deadline_s,
+                    retry=self.retry_period_s,
+                    least=1.2 * self.retry_period_s,
+                )
             )
         if self.retry_period_s <= 0:
-            raise ConfigError("election retry_period_s must be > 0")
+            raise ConfigError(msg("election.retry", "election retry_period_s must be > 0"))
 
 
 class Fenced(KunlunError):

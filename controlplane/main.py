@@ -12,6 +12,7 @@ from controlplane import failpoints
 from controlplane.election import ElectionSettings
 from controlplane.settings import ReplicaSettings
 from kunlun_common.errors import ConfigError, KunlunError
+from kunlun_common.i18n import _, error_text
 from kunlun_common.logs import log_json, setup_logging
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = build_settings(argv)
         points = failpoints.from_env(os.environ, failpoints.ALLOW_FLAG in argv)
     except ConfigError as e:
-        print(f"kunlun-platform: {e}", file=sys.stderr)
+        print(_("kunlun-platform: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(2)
     setup_logging("kunlun-platform", settings.log_level, log_json(settings.log_format))
     from controlplane.replica import serve
@@ -112,10 +113,10 @@ def main(argv: list[str] | None = None) -> None:
             pass
         asyncio.run(serve(settings, points))
     except ConfigError as e:
-        print(f"kunlun-platform: {e}", file=sys.stderr)
+        print(_("kunlun-platform: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(2)
     except KunlunError as e:
-        print(f"kunlun-platform: {e}", file=sys.stderr)
+        print(_("kunlun-platform: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         pass

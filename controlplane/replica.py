@@ -56,6 +56,7 @@ from kunlun_common.api import (
 )
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConfigError, KunlunError, TemporaryError
+from kunlun_common.messages import msg, msg_list
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
@@ -79,8 +80,14 @@ class Replica:
         etcd_paths = settings.etcd_cert_paths()
         if self.tls.identity.name != settings.name:
             raise ConfigError(
-                f"{cert}: certificate is for replica {self.tls.identity.name!r} but this replica is named "
-                f"{settings.name!r}; use the certificate issued for {settings.name!r}"
+                msg(
+                    "replica.cert_name",
+                    "{cert}: certificate is for replica {cert_name!r} but this replica is named {name!r}; "
+                    "use the certificate issued for {name!r}",
+                    cert=str(cert),
+                    cert_name=self.tls.identity.name,
+                    name=settings.name,
+                )
             )
         self.store = EtcdStore(
             StoreSettings(
@@ -170,8 +177,14 @@ class Replica:
                 )
                 if self.etcd_wait_s and waited > self.etcd_wait_s:
                     raise TemporaryError(
-                        f"etcd at {', '.join(self.settings.etcd_endpoints)} unreachable or without quorum for "
-                        f"{waited:.0f}s ({e}); start etcd (make demo does) or fix etcd_endpoints"
+                        msg(
+                            "replica.etcd_unreachable",
+                            "etcd at {endpoints} unreachable or without quorum for {waited:.0f}s ({error}); "
+                            "start etcd (make demo does) or fix etcd_endpoints",
+                            endpoints=", ".join(self.settings.etcd_endpoints),
+                            waited=waited,
+                            error=str(e),
+                        )
                     ) from None
                 await asyncio.sleep(delay)
 
@@ -197,7 +210,15 @@ class Replica:
         grace = (await stored_config(self.store)).node_not_ready_grace_seconds
         problems = node_problems(await registered_nodes(self.store), grace, self.settings.node_lease_ttl_s)
         if problems:
-            raise ConfigError("node_lease_ttl_s: " + "; ".join(str(p) for p in problems))
+            raise ConfigError(
+                msg_list(
+                    "replica.settings.node_lease_fencing",
+                    "node_lease_ttl_s: {parts}",
+                    problems,
+                    bullet="",
+                    sep="; ",
+                )
+            )
 
     async def _register(self) -> None:
         self._lease = await self.store.lease_grant(self.settings.replica_lease_ttl_s)
@@ -304,7 +325,9 @@ class Replica:
             await asyncio.wait_for(self.revocations.ready.wait(), 30.0)
         except TimeoutError:
             revocations.cancel()
-            raise TemporaryError("could not read the revocation list from etcd within 30 s") from None
+            raise TemporaryError(
+                msg("replica.revocations_timeout", "could not read the revocation list from etcd within 30 s")
+            ) from None
         await self.seen.saw(x509.load_pem_x509_certificate(self.tls.cert), "replica")
 
         def reloaded(m: tls.TlsMaterial) -> None:  # SIGHUP: new connections use the new certificate
@@ -333,7 +356,13 @@ class Replica:
             server.add_secure_port(self.settings.listen, self.live_tls.server_credentials())
         except RuntimeError as e:
             raise ConfigError(
-                f"listen: cannot listen on {self.settings.listen} ({e}); is the port in use?"
+                msg(
+                    "settings.cannot_listen",
+                    "{what}: cannot listen on {address} ({reason}); is the port in use?",
+                    what="listen",
+                    address=self.settings.listen,
+                    reason=str(e),
+                )
             ) from None
         await server.start()
         self.server = server

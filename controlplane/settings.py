@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from controlplane.audit import AuditSettings
 from controlplane.election import ElectionSettings
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.pki import CertPaths, etcd_client_paths, paths_for
 from kunlun_common.trace_ring import ProfileOutput
 
@@ -76,26 +77,57 @@ class ReplicaSettings:
     def __post_init__(self) -> None:
         if not self.etcd_endpoints:
             raise ConfigError(
-                "etcd_endpoints: at least one etcd endpoint is required, e.g. https://127.0.0.1:2379"
+                msg(
+                    "replica.settings.no_etcd",
+                    "etcd_endpoints: at least one etcd endpoint is required, e.g. https://127.0.0.1:2379",
+                )
             )
         if ":" not in self.listen:
-            raise ConfigError(f"listen: expected host:port, found {self.listen!r}")
+            raise ConfigError(
+                msg("settings.listen", "listen: expected host:port, found {found!r}", found=self.listen)
+            )
         if self.metrics_listen:
             host, sep, port = self.metrics_listen.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ConfigError(
-                    f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
+                    msg(
+                        "settings.metrics_listen",
+                        "metrics_listen: expected host:port (port 0: a free one), found {found!r}",
+                        found=self.metrics_listen,
+                    )
                 )
         if not self.watch_heartbeat_s >= 0:
             raise ConfigError(
-                f"watch_heartbeat_s: expected a number of seconds >= 0 (0: off), found {self.watch_heartbeat_s!r}"
+                msg(
+                    "replica.settings.watch_heartbeat",
+                    "watch_heartbeat_s: expected a number of seconds >= 0 (0: off), found {found!r}",
+                    found=self.watch_heartbeat_s,
+                )
             )
         if self.node_lease_ttl_s < 3:
-            raise ConfigError(f"node_lease_ttl_s: expected at least 3 seconds, found {self.node_lease_ttl_s}")
+            raise ConfigError(
+                msg(
+                    "replica.settings.node_lease_ttl",
+                    "node_lease_ttl_s: expected at least 3 seconds, found {found}",
+                    found=self.node_lease_ttl_s,
+                )
+            )
         if self.log_format not in ("", "json", "console"):
-            raise ConfigError(f"log_format: expected json or console, found {self.log_format!r}")
+            raise ConfigError(
+                msg(
+                    "settings.log_format",
+                    "log_format: expected json or console, found {found!r}",
+                    found=self.log_format,
+                )
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
+            raise ConfigError(
+                msg(
+                    "settings.log_level",
+                    "log_level: expected debug, info, warning or error, found {found!r}",
+                    found=self.log_level,
+                )
+            )
 
     @property
     def advertise_address(self) -> str:

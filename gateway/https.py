@@ -23,6 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg, msg_list, of_error
 
 log = structlog.get_logger("gateway")
 
@@ -31,7 +32,9 @@ def _key_type(key_pem: bytes) -> str:
     try:
         return type(serialization.load_pem_private_key(key_pem, password=None)).__name__
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"not a readable unencrypted PEM private key ({e})") from None
+        raise ConfigError(
+            msg("gateway.https.bad_key", "not a readable unencrypted PEM private key ({error})", error=str(e))
+        ) from None
 
 
 class HttpsCertificate:
@@ -54,20 +57,49 @@ class HttpsCertificate:
             cert_pem = Path(self.cert_path).read_bytes()
             key_pem = Path(self.key_path).read_bytes()
         except OSError as e:
-            raise ConfigError(f"{where}: cannot read ({e.strerror})") from None
+            raise ConfigError(
+                msg(
+                    "gateway.https.unreadable",
+                    "{where}: cannot read ({reason})",
+                    where=where,
+                    reason=e.strerror,
+                )
+            ) from None
         try:
             cert = x509.load_pem_x509_certificate(cert_pem)
         except ValueError as e:
-            raise ConfigError(f"{where}: not a PEM certificate ({e})") from None
+            raise ConfigError(
+                msg(
+                    "gateway.https.not_pem",
+                    "{where}: not a PEM certificate ({error})",
+                    where=where,
+                    error=str(e),
+                )
+            ) from None
         try:
             key_type = _key_type(key_pem)
         except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
+            raise ConfigError(
+                msg_list("gateway.https.key", "{where}: {parts}", [of_error(e)], bullet="", where=where)
+            ) from None
         if cert.not_valid_after_utc < dt.datetime.now(dt.UTC):
-            raise ConfigError(f"{where}: the certificate expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+            raise ConfigError(
+                msg(
+                    "gateway.https.expired",
+                    "{where}: the certificate expired on {day}",
+                    where=where,
+                    day=f"{cert.not_valid_after_utc:%Y-%m-%d}",
+                )
+            )
         if not first and key_type != self.key_type:
             raise ConfigError(
-                f"{where}: the key type changed ({self.key_type} -> {key_type}); restart the gateway for that"
+                msg(
+                    "gateway.https.key_type",
+                    "{where}: the key type changed ({old} -> {new}); restart the gateway for that",
+                    where=where,
+                    old=self.key_type,
+                    new=key_type,
+                )
             )
         with tempfile.TemporaryDirectory(prefix="kunlun-gw-tls-") as tmp:  # mode 0700
             c, k = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
@@ -80,7 +112,12 @@ class HttpsCertificate:
                 scratch.load_cert_chain(c, k)
             except ssl.SSLError as e:
                 raise ConfigError(
-                    f"{where}: cannot load the pair ({e.reason or e}); is the key this certificate's?"
+                    msg(
+                        "gateway.https.pair",
+                        "{where}: cannot load the pair ({reason}); is the key this certificate's?",
+                        where=where,
+                        reason=str(e.reason or e),
+                    )
                 ) from None
             self.context.load_cert_chain(c, k)  # the same bytes: cannot fail now
         self.serial, self.key_type = cert.serial_number, key_type

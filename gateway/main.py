@@ -22,7 +22,9 @@ from gateway.settings import GatewaySettings, is_loopback, split_host_port
 from kunlun_common import revocation
 from kunlun_common.api import types_pb2, workload_pb2
 from kunlun_common.errors import ConfigError, KunlunError
+from kunlun_common.i18n import _, error_text
 from kunlun_common.logs import log_json, setup_logging
+from kunlun_common.messages import msg
 from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.settings import from_mapping, load_yaml_mapping
@@ -46,11 +48,21 @@ class Gateway:
             self.material = tls.load_tls(settings.cert_paths(), expect_roles=("gateway",))
             if self.material.identity.name != settings.name:
                 raise ConfigError(
-                    f"{settings.cert_paths().cert}: certificate is for gateway {self.material.identity.name!r} "
-                    f"but this gateway is named {settings.name!r}"
+                    msg(
+                        "gateway.cert_name",
+                        "{cert}: certificate is for gateway {cert_name!r} but this gateway is named {name!r}",
+                        cert=str(settings.cert_paths().cert),
+                        cert_name=self.material.identity.name,
+                        name=settings.name,
+                    )
                 )
         elif settings.require_api_key:
-            raise ConfigError("require_api_key: API keys come from the control plane; give endpoints")
+            raise ConfigError(
+                msg(
+                    "gateway.keys_need_endpoints",
+                    "require_api_key: API keys come from the control plane; give endpoints",
+                )
+            )
         self.server: asyncio.AbstractServer | None = None
         self.proxy: Proxy | None = None
         self.feed: Any = None
@@ -212,7 +224,13 @@ class Gateway:
             )
         except OSError as e:
             raise ConfigError(
-                f"listen: cannot listen on {s.listen} ({e.strerror}); is the port in use?"
+                msg(
+                    "settings.cannot_listen",
+                    "{what}: cannot listen on {address} ({reason}); is the port in use?",
+                    what="listen",
+                    address=s.listen,
+                    reason=e.strerror,
+                )
             ) from None
         log.info(
             "gateway serving",
@@ -240,7 +258,7 @@ class Gateway:
         log.info("gateway stopping", name=self.settings.name)
         if self.server is not None:
             self.server.close()
-        for _ in range(int(self.settings.drain_s / 0.05)):
+        for _step in range(int(self.settings.drain_s / 0.05)):
             if self.proxy is None or self.proxy.inflight <= 0:
                 break
             await asyncio.sleep(0.05)
@@ -286,7 +304,7 @@ async def serve(settings: GatewaySettings) -> None:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, gw.reload_certificates)
     waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([waiter, *gw._tasks], return_when=asyncio.FIRST_COMPLETED)
+    done, _pending = await asyncio.wait([waiter, *gw._tasks], return_when=asyncio.FIRST_COMPLETED)
     for t in done:
         if t is not waiter and not t.cancelled() and t.exception() is not None:
             log.error("background task died", task=t.get_name(), error=str(t.exception()))
@@ -378,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settings = build_settings(argv)
     except ConfigError as e:
-        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        print(_("kunlun-gateway: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(2)
     setup_logging("kunlun-gateway", settings.log_level, log_json(settings.log_format))
     try:
@@ -391,10 +409,10 @@ def main(argv: list[str] | None = None) -> None:
         with asyncio.Runner(loop_factory=factory) as runner:
             runner.run(serve(settings))
     except ConfigError as e:
-        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        print(_("kunlun-gateway: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(2)
     except KunlunError as e:
-        print(f"kunlun-gateway: {e}", file=sys.stderr)
+        print(_("kunlun-gateway: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         pass

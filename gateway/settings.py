@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.pki import CertPaths, paths_for
 from kunlun_common.trace_ring import ProfileOutput
 from kunlun_common.traffic import ROUTING_POLICIES
@@ -18,7 +19,9 @@ POLICIES = ROUTING_POLICIES
 def split_host_port(address: str, what: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"{what}: expected host:port, found {address!r}")
+        raise ConfigError(
+            msg("settings.host_port", "{what}: expected host:port, found {found!r}", what=what, found=address)
+        )
     return host.strip("[]"), int(port)
 
 
@@ -53,23 +56,62 @@ def _key_limits(items: tuple[Any, ...]) -> tuple[KeyRateLimit, ...]:
         if isinstance(item, KeyRateLimit):
             item = {"key": item.key, "per_s": item.per_s, "burst": item.burst}
         if not isinstance(item, dict):
-            raise ConfigError(f"{at}: expected a mapping with key, per_s and burst, found {item!r}")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.key_limit_mapping",
+                    "{at}: expected a mapping with key, per_s and burst, found {found}",
+                    at=at,
+                    found=repr(item),
+                )
+            )
         unknown = sorted(set(item) - set(known))
         if unknown:
-            raise ConfigError(f"{at}: unknown field {unknown[0]!r}; known fields: {', '.join(known)}")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.key_limit_field",
+                    "{at}: unknown field {field!r}; known fields: {known}",
+                    at=at,
+                    field=unknown[0],
+                    known=", ".join(known),
+                )
+            )
         key, per_s, burst = item.get("key"), item.get("per_s"), item.get("burst", 0)
         if not isinstance(key, str) or not key or len(key) > 64:
             raise ConfigError(
-                f"{at}.key: expected the key id (`kunlun-cli gateway keys list`), found {key!r}"
+                msg(
+                    "gateway.settings.key_limit_key",
+                    "{at}.key: expected the key id (`kunlun-cli gateway keys list`), found {found}",
+                    at=at,
+                    found=repr(key),
+                )
             )
         if key in seen:
-            raise ConfigError(f"{at}.key: {key!r} is listed twice; keep one entry per key")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.key_limit_twice",
+                    "{at}.key: {key!r} is listed twice; keep one entry per key",
+                    at=at,
+                    key=key,
+                )
+            )
         seen.add(key)
         if isinstance(per_s, bool) or not isinstance(per_s, int | float) or per_s < 0:
-            raise ConfigError(f"{at}.per_s: expected requests per second >= 0 (0: no limit), found {per_s!r}")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.key_limit_per_s",
+                    "{at}.per_s: expected requests per second >= 0 (0: no limit), found {found}",
+                    at=at,
+                    found=repr(per_s),
+                )
+            )
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 0:
             raise ConfigError(
-                f"{at}.burst: expected a whole number >= 0 (0: per_s rounded up), found {burst!r}"
+                msg(
+                    "gateway.settings.key_limit_burst",
+                    "{at}.burst: expected a whole number >= 0 (0: per_s rounded up), found {found}",
+                    at=at,
+                    found=repr(burst),
+                )
             )
         out.append(KeyRateLimit(key, float(per_s), burst))
     return tuple(out)
@@ -194,51 +236,124 @@ class GatewaySettings:
         if self.metrics_listen:
             if not self.cert_dir:
                 raise ConfigError(
-                    "metrics_listen: the exporter serves HTTPS with the gateway's certificate; give cert_dir"
+                    msg(
+                        "gateway.settings.metrics_cert",
+                        "metrics_listen: the exporter serves HTTPS with the gateway's certificate; give cert_dir",
+                    )
                 )
             host, sep, port = self.metrics_listen.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ConfigError(
-                    f"metrics_listen: expected host:port (port 0: a free one), found {self.metrics_listen!r}"
+                    msg(
+                        "settings.metrics_listen",
+                        "metrics_listen: expected host:port (port 0: a free one), found {found!r}",
+                        found=self.metrics_listen,
+                    )
                 )
         for ep in self.endpoints:
             split_host_port(ep, "endpoints")
         for item in self.static_endpoints:
             workload, sep, address = item.partition("=")
             if not sep or not workload:
-                raise ConfigError(f"static_endpoints: expected WORKLOAD=HOST:PORT, found {item!r}")
+                raise ConfigError(
+                    msg(
+                        "gateway.settings.static_endpoint",
+                        "static_endpoints: expected WORKLOAD=HOST:PORT, found {found!r}",
+                        found=item,
+                    )
+                )
             split_host_port(address, "static_endpoints")
         if not self.endpoints and not self.static_endpoints:
             raise ConfigError(
-                "endpoints: name the replicas (host:port, comma-separated), or give static_endpoints"
+                msg(
+                    "gateway.settings.no_endpoints",
+                    "endpoints: name the replicas (host:port, comma-separated), or give static_endpoints",
+                )
             )
         if self.endpoints and not self.cert_dir:
-            raise ConfigError("cert_dir: the certificate folder is required to talk to the replicas")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.cert_dir",
+                    "cert_dir: the certificate folder is required to talk to the replicas",
+                )
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key: give both (HTTPS) or neither (plain HTTP)")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.tls_pair",
+                    "tls_cert and tls_key: give both (HTTPS) or neither (plain HTTP)",
+                )
+            )
         if self.default_policy not in POLICIES:
             raise ConfigError(
-                f"default_policy: expected one of {', '.join(POLICIES)}, found {self.default_policy!r}"
+                msg(
+                    "gateway.settings.policy",
+                    "default_policy: expected one of {policies}, found {found!r}",
+                    policies=", ".join(POLICIES),
+                    found=self.default_policy,
+                )
             )
         for name in ("request_timeout_s", "connect_timeout_s", "health_check_timeout_s", "eject_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(
-                    f"{name}: expected a positive number of seconds, found {getattr(self, name)}"
+                    msg(
+                        "settings.positive_seconds",
+                        "{name}: expected a positive number of seconds, found {found}",
+                        name=name,
+                        found=getattr(self, name),
+                    )
                 )
         if self.health_check_interval_s < 0:
-            raise ConfigError("health_check_interval_s: expected 0 (off) or a positive number of seconds")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.health_interval",
+                    "health_check_interval_s: expected 0 (off) or a positive number of seconds",
+                )
+            )
         if self.max_inflight_per_instance < 1:
-            raise ConfigError("max_inflight_per_instance: expected at least 1")
+            raise ConfigError(
+                msg("gateway.settings.max_inflight", "max_inflight_per_instance: expected at least 1")
+            )
         if not 0 <= self.retries <= 3:
-            raise ConfigError(f"retries: expected 0..3, found {self.retries}")
+            raise ConfigError(
+                msg("gateway.settings.retries", "retries: expected 0..3, found {found}", found=self.retries)
+            )
         if self.balance_factor < 1.0:
-            raise ConfigError(f"balance_factor: expected at least 1.0, found {self.balance_factor}")
+            raise ConfigError(
+                msg(
+                    "gateway.settings.balance_factor",
+                    "balance_factor: expected at least 1.0, found {found}",
+                    found=self.balance_factor,
+                )
+            )
         if self.log_format not in ("", "json", "console"):
-            raise ConfigError(f"log_format: expected json or console, found {self.log_format!r}")
+            raise ConfigError(
+                msg(
+                    "settings.log_format",
+                    "log_format: expected json or console, found {found!r}",
+                    found=self.log_format,
+                )
+            )
         if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level: expected debug, info, warning or error, found {self.log_level!r}")
+            raise ConfigError(
+                msg(
+                    "settings.log_level",
+                    "log_level: expected debug, info, warning or error, found {found!r}",
+                    found=self.log_level,
+                )
+            )
         self._check_limits()
         if not is_loopback(listen_host) and not self.allow_insecure_listen:
+            if not self.tls_cert and not self.require_api_key:
+                raise ConfigError(
+                    msg(
+                        "gateway.settings.insecure_listen_both",
+                        "listen: {listen} is reachable from the network, so the gateway needs tls_cert/tls_key "
+                        "and require_api_key: true (HTTPS and API keys; see deploy/examples/gateway.example.yaml); "
+                        "only behind a proxy that terminates TLS and authenticates, set allow_insecure_listen: true",
+                        listen=self.listen,
+                    )
+                )
             missing = [
                 n
                 for n, on in (
@@ -249,9 +364,14 @@ class GatewaySettings:
             ]
             if missing:
                 raise ConfigError(
-                    f"listen: {self.listen} is reachable from the network, so the gateway needs {' and '.join(missing)} "
-                    "(HTTPS and API keys; see deploy/examples/gateway.example.yaml); only behind a proxy "
-                    "that terminates TLS and authenticates, set allow_insecure_listen: true"
+                    msg(
+                        "gateway.settings.insecure_listen",
+                        "listen: {listen} is reachable from the network, so the gateway needs {missing} "
+                        "(HTTPS and API keys; see deploy/examples/gateway.example.yaml); only behind a proxy "
+                        "that terminates TLS and authenticates, set allow_insecure_listen: true",
+                        listen=self.listen,
+                        missing=missing[0],
+                    )
                 )
 
     def _check_limits(self) -> None:
@@ -265,33 +385,64 @@ class GatewaySettings:
         }
         for name, least in minimum.items():
             if getattr(self, name) < least:
-                raise ConfigError(f"{name}: expected at least {least}, found {getattr(self, name)}")
+                raise ConfigError(
+                    msg(
+                        "gateway.settings.at_least",
+                        "{name}: expected at least {least}, found {found}",
+                        name=name,
+                        least=least,
+                        found=getattr(self, name),
+                    )
+                )
         if self.max_url_bytes > self.max_header_bytes:
             raise ConfigError(
-                f"max_url_bytes: {self.max_url_bytes} is above max_header_bytes ({self.max_header_bytes}), "
-                "which counts the target too; raise max_header_bytes or lower max_url_bytes"
+                msg(
+                    "gateway.settings.url_above_header",
+                    "max_url_bytes: {url} is above max_header_bytes ({header}), "
+                    "which counts the target too; raise max_header_bytes or lower max_url_bytes",
+                    url=self.max_url_bytes,
+                    header=self.max_header_bytes,
+                )
             )
         for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(
-                    f"{name}: expected a positive number of seconds, found {getattr(self, name)}"
+                    msg(
+                        "settings.positive_seconds",
+                        "{name}: expected a positive number of seconds, found {found}",
+                        name=name,
+                        found=getattr(self, name),
+                    )
                 )
         if not 0.0 <= self.access_log_sample <= 1.0:
             raise ConfigError(
-                f"access_log_sample: expected a share from 0 to 1, found {self.access_log_sample}"
+                msg(
+                    "gateway.settings.access_log_sample",
+                    "access_log_sample: expected a share from 0 to 1, found {found}",
+                    found=self.access_log_sample,
+                )
             )
         if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
             raise ConfigError(
-                "rate_limit_per_s / rate_limit_burst: expected 0 (no limit) or a positive number"
+                msg(
+                    "gateway.settings.rate_limit",
+                    "rate_limit_per_s / rate_limit_burst: expected 0 (no limit) or a positive number",
+                )
             )
         if self.client_rate_limit_per_s < 0 or self.client_rate_limit_burst < 0:
             raise ConfigError(
-                "client_rate_limit_per_s / client_rate_limit_burst: expected 0 (no limit) or a positive number"
+                msg(
+                    "gateway.settings.client_rate_limit",
+                    "client_rate_limit_per_s / client_rate_limit_burst: expected 0 (no limit) or a positive number",
+                )
             )
         object.__setattr__(self, "key_rate_limits", _key_limits(tuple(self.key_rate_limits)))
         if (self.rate_limit_per_s > 0 or self.key_rate_limits) and not self.require_api_key:
             raise ConfigError(
-                "rate_limit_per_s / key_rate_limits: rate limits are per API key; set require_api_key: true"
+                msg(
+                    "gateway.settings.rate_limit_needs_keys",
+                    "rate_limit_per_s / key_rate_limits: rate limits are per API key; set require_api_key: true",
+                )
             )
 
     @property

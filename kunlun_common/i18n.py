@@ -7,8 +7,9 @@ wheel build, setup.py), or from the
 folder named by `$KUNLUN_LOCALEDIR` (packagers: e.g. /usr/share/locale). A missing, unreadable or
 corrupt catalog means English, never a failure.
 
-What is translated: the CLI's help, messages and errors, and the errors replicas send with a
-message id (kunlun_common/messages.py). What is not: `-o json` output, table columns and values,
+What is translated: the CLI's help, messages and errors, the errors replicas send with a
+message id (kunlun_common/messages.py), and the start-up errors kunlun-platform, kunlun-agent and
+kunlun-gateway print (their settings and flag validators raise them with message ids). What is not: `-o json` output, table columns and values,
 and log event names (scripts and log pipelines read them).
 
 Mark a user-facing string with `_()` (or `ngettext`, `pgettext`) at the point of use, never at

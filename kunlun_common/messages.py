@@ -109,6 +109,17 @@ def msg_list(
     return Message(msg_id, template, {k: _plain(v) for k, v in params.items()}, tuple(parts), bullet, sep)
 
 
+def plain(text: str) -> Message:
+    """A text without an id (a library's error, a value): shown as is in every language."""
+    return Message("text", "{text}", {"text": text})
+
+
+def of_error(e: BaseException) -> Message:
+    """An error's message: the one it was raised with (kunlun_common/errors.py), else its text as is."""
+    m = getattr(e, "localizable", None)
+    return m if isinstance(m, Message) else plain(str(e))
+
+
 def render(template: str, params: Mapping[str, Any], fallback: str) -> str:
     """`template.format(**params)`, or `fallback` when the template does not fit the values."""
     try:

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.tls import TlsMaterial, identity_of
 
@@ -42,7 +43,14 @@ MAX_HEADER_BYTES = 16 * 1024
 def split_listen(address: str, what: str = "metrics_listen") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{what}: expected host:port (port 0 picks a free one), found {address!r}")
+        raise ConfigError(
+            msg(
+                "settings.listen_address",
+                "{what}: expected host:port (port 0 picks a free one), found {found!r}",
+                what=what,
+                found=address,
+            )
+        )
     return host.strip("[]"), int(port)
 
 
@@ -138,7 +146,13 @@ class MetricsServer:
             )
         except OSError as e:
             raise ConfigError(
-                f"metrics_listen: cannot listen on {self.listen} ({e.strerror}); is the port in use?"
+                msg(
+                    "settings.cannot_listen",
+                    "{what}: cannot listen on {address} ({reason}); is the port in use?",
+                    what="metrics_listen",
+                    address=self.listen,
+                    reason=e.strerror,
+                )
             ) from None
         bound = self.server.sockets[0].getsockname()
         self.address = f"{host}:{bound[1]}"

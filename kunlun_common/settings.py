@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import Message, msg, msg_list, of_error, plain
 
 T = TypeVar("T")
 
@@ -45,6 +46,19 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
+def _describe_msg(tp: Any) -> Message:
+    """The type's description as a message (the simple types translated, the others in English)."""
+    if tp is int:
+        return msg("settings.type.int", "an integer")
+    if tp is float:
+        return msg("settings.type.float", "a number")
+    if tp is bool:
+        return msg("settings.type.bool", "true or false")
+    if tp is str:
+        return msg("settings.type.str", "a string")
+    return plain(_describe(tp))
+
+
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -60,14 +74,26 @@ def _describe(tp: Any) -> str:
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], source: str, prefix: str = "") -> T:
     """Build dataclass `cls` from `data`, refusing unknown fields and wrong types (all at once)."""
-    problems: list[str] = []
+    problems: list[Message] = []
     obj = _build(cls, data, source, prefix, problems)
     if problems:
-        raise ConfigError("invalid settings:\n" + "\n".join(f"  {p}" for p in problems))
+        raise ConfigError(msg_list("settings.invalid", "invalid settings:\n{parts}", problems))
     return typing.cast(T, obj)
 
 
-def _build(cls: Any, data: Mapping[str, Any], source: str, prefix: str, problems: list[str]) -> Any:
+def _field_problem(source: str, where: str, e: Exception) -> Message:
+    """`source: where: e` with the error's own message (translated on its own) when it has one."""
+    return msg_list(
+        "settings.field_problem",
+        "{source}: {where}: {parts}",
+        [of_error(e)],
+        bullet="",
+        source=source,
+        where=where,
+    )
+
+
+def _build(cls: Any, data: Mapping[str, Any], source: str, prefix: str, problems: list[Message]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -75,15 +101,43 @@ def _build(cls: Any, data: Mapping[str, Any], source: str, prefix: str, problems
         path = f"{prefix}{key}"
         if key not in fields:
             guess = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {guess[0]!r}?" if guess else f"; known fields: {', '.join(fields)}"
-            problems.append(f"{source}: {path}: unknown field{hint}")
+            if guess:
+                problems.append(
+                    msg(
+                        "settings.unknown_field_guess",
+                        "{source}: {path}: unknown field; did you mean {guess!r}?",
+                        source=source,
+                        path=path,
+                        guess=guess[0],
+                    )
+                )
+            else:
+                problems.append(
+                    msg(
+                        "settings.unknown_field",
+                        "{source}: {path}: unknown field; known fields: {known}",
+                        source=source,
+                        path=path,
+                        known=", ".join(fields),
+                    )
+                )
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             kwargs[key] = _build(tp, value, source, path + ".", problems)
             continue
         if not _type_ok(value, tp):
-            problems.append(f"{source}: {path}: expected {_describe(tp)}, found {value!r}")
+            problems.append(
+                msg_list(
+                    "settings.wrong_type",
+                    "{source}: {path}: expected {parts}, found {found}",
+                    [_describe_msg(tp)],
+                    bullet="",
+                    source=source,
+                    path=path,
+                    found=repr(value),
+                )
+            )
             continue
         if typing.get_origin(tp) is tuple and isinstance(value, list):
             value = tuple(value)
@@ -96,14 +150,21 @@ def _build(cls: Any, data: Mapping[str, Any], source: str, prefix: str, problems
             and f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
         ):
-            if not any(p.startswith(f"{source}: {prefix}{name}:") for p in problems):
-                problems.append(f"{source}: {prefix}{name}: required field is missing")
-    if any(p.startswith(f"{source}: {prefix}") for p in problems):
+            if not any(str(p).startswith(f"{source}: {prefix}{name}:") for p in problems):
+                problems.append(
+                    msg(
+                        "settings.missing_field",
+                        "{source}: {path}: required field is missing",
+                        source=source,
+                        path=f"{prefix}{name}",
+                    )
+                )
+    if any(str(p).startswith(f"{source}: {prefix}") for p in problems):
         return None
     try:
         return cls(**kwargs)
     except (ValueError, ConfigError) as e:
-        problems.append(f"{source}: {prefix.rstrip('.') or cls.__name__}: {e}")
+        problems.append(_field_problem(source, prefix.rstrip(".") or cls.__name__, e))
         return None
 
 
@@ -113,17 +174,37 @@ def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(f"{p}: cannot be read ({e.strerror}); check the path") from None
+        raise ConfigError(
+            msg(
+                "settings.unreadable",
+                "{path}: cannot be read ({reason}); check the path",
+                path=str(p),
+                reason=e.strerror,
+            )
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(
-            f"{p}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"
+            msg(
+                "settings.bad_yaml",
+                "{path}{where}: not valid YAML ({problem}); fix the syntax",
+                path=str(p),
+                where=where,
+                problem=str(getattr(e, "problem", e)),
+            )
         ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a YAML mapping at the top level, found {type(data).__name__}")
+        raise ConfigError(
+            msg(
+                "settings.not_mapping",
+                "{path}: expected a YAML mapping at the top level, found {kind}",
+                path=str(p),
+                kind=type(data).__name__,
+            )
+        )
     return data

@@ -15,6 +15,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.pki import CA_NAMES, REPLICA_CA, ROLES, CertPaths
 
 
@@ -64,40 +65,71 @@ def identity_from_pem(pem: bytes) -> Identity:
     return identity_of(x509.load_pem_x509_certificate(pem))
 
 
-def _read(path: Path, what: str, fix: str) -> bytes:
+def _read(path: Path, what: Message) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist; {fix}") from None
+        raise ConfigError(
+            msg_list(
+                "tls.file_missing",
+                "{parts} {path} does not exist; create certificates with `kunlun-cli certs init DIR` and "
+                "point the config at DIR",
+                [what],
+                bullet="",
+                path=str(path),
+            )
+        ) from None
     except OSError as e:
-        raise ConfigError(f"{what} {path} cannot be read ({e.strerror}); {fix}") from None
+        raise ConfigError(
+            msg_list(
+                "tls.file_unreadable",
+                "{parts} {path} cannot be read ({reason}); create certificates with `kunlun-cli certs init "
+                "DIR` and point the config at DIR",
+                [what],
+                bullet="",
+                path=str(path),
+                reason=e.strerror,
+            )
+        ) from None
 
 
 def load_tls(
     paths: CertPaths, expect_roles: tuple[str, ...] | None = None, now: dt.datetime | None = None
 ) -> TlsMaterial:
     """Read and check a CA/cert/key triple: present, parseable, current, signed by that CA, right role."""
-    fix = "create certificates with `kunlun-cli certs init DIR` and point the config at DIR"
-    ca_pem = _read(paths.ca, "CA certificate", fix)
-    cert_pem = _read(paths.cert, "certificate", fix)
-    key_pem = _read(paths.key, "private key", fix)
+    ca_pem = _read(paths.ca, msg("tls.what.ca", "CA certificate"))
+    cert_pem = _read(paths.cert, msg("tls.what.cert", "certificate"))
+    key_pem = _read(paths.key, msg("tls.what.key", "private key"))
     try:
         ca = x509.load_pem_x509_certificate(ca_pem)
     except ValueError:
-        raise ConfigError(f"CA certificate {paths.ca} is not a PEM certificate") from None
+        raise ConfigError(
+            msg("tls.ca_not_pem", "CA certificate {path} is not a PEM certificate", path=str(paths.ca))
+        ) from None
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError:
-        raise ConfigError(f"certificate {paths.cert} is not a PEM certificate") from None
+        raise ConfigError(
+            msg("tls.cert_not_pem", "certificate {path} is not a PEM certificate", path=str(paths.cert))
+        ) from None
     when = now or dt.datetime.now(dt.UTC)
     if cert.not_valid_after_utc < when:
         raise ConfigError(
-            f"certificate {paths.cert} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; "
-            "issue a new one with `kunlun-cli certs issue`"
+            msg(
+                "tls.cert_expired",
+                "certificate {path} expired on {when} UTC; issue a new one with `kunlun-cli certs issue`",
+                path=str(paths.cert),
+                when=f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M}",
+            )
         )
     if cert.not_valid_before_utc > when:
         raise ConfigError(
-            f"certificate {paths.cert} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+            msg(
+                "tls.cert_not_yet_valid",
+                "certificate {path} is not valid before {when} UTC",
+                path=str(paths.cert),
+                when=f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M}",
+            )
         )
     replica_ca_path = paths.replica_ca or paths.ca.with_name(REPLICA_CA)
     replica_ca_pem = replica_ca_path.read_bytes() if replica_ca_path.exists() else b""
@@ -108,18 +140,36 @@ def load_tls(
         cert.verify_directly_issued_by(ca)
     except (ValueError, TypeError, Exception) as e:  # InvalidSignature has no common base
         raise ConfigError(
-            f"certificate {paths.cert} was not issued by the CA {issuer_path} ({type(e).__name__}); "
-            "use certificates from the same `certs init` folder"
+            msg(
+                "tls.wrong_ca",
+                "certificate {path} was not issued by the CA {ca} ({error}); "
+                "use certificates from the same `certs init` folder",
+                path=str(paths.cert),
+                ca=str(issuer_path),
+                error=type(e).__name__,
+            )
         ) from None
     ident = identity_of(cert)
     if ident.role not in ROLES:
         raise ConfigError(
-            f"certificate {paths.cert} has no Kunlun role (OU={ident.role!r}); expected one of {ROLES}"
+            msg(
+                "tls.no_role",
+                "certificate {path} has no Kunlun role (OU={role!r}); expected one of {roles}",
+                path=str(paths.cert),
+                role=ident.role,
+                roles=str(ROLES),
+            )
         )
     if expect_roles is not None and ident.role not in expect_roles:
         raise ConfigError(
-            f"certificate {paths.cert} is for role {ident.role!r} ({ident.name}); this process needs "
-            f"a certificate with role {' or '.join(expect_roles)}"
+            msg(
+                "tls.wrong_role",
+                "certificate {path} is for role {role!r} ({name}); this process needs a certificate with role {roles}",
+                path=str(paths.cert),
+                role=ident.role,
+                name=ident.name,
+                roles=" or ".join(expect_roles),
+            )
         )
     return TlsMaterial(
         ca=ca_pem, cert=cert_pem, key=key_pem, identity=ident, paths=paths, replica_ca=replica_ca_pem
@@ -129,7 +179,12 @@ def load_tls(
 def _replica_ca(tls: TlsMaterial) -> bytes:
     if not tls.replica_ca:
         raise ConfigError(
-            f"no replica CA ({REPLICA_CA}) beside {tls.paths.ca}; copy it from the `kunlun-cli certs init` folder"
+            msg(
+                "tls.no_replica_ca",
+                "no replica CA ({file}) beside {ca}; copy it from the `kunlun-cli certs init` folder",
+                file=REPLICA_CA,
+                ca=str(tls.paths.ca),
+            )
         )
     return tls.replica_ca
 
@@ -191,5 +246,5 @@ def server_certificate(
     ):
         der = tls_sock.getpeercert(binary_form=True)
     if not der:
-        raise ConfigError(f"{address} presented no certificate")
+        raise ConfigError(msg("tls.no_peer_cert", "{address} presented no certificate", address=address))
     return x509.load_der_x509_certificate(der)

@@ -14,6 +14,7 @@ import structlog
 from kunlun_common import revocation, tls
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import msg
 from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
 from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
@@ -64,8 +65,13 @@ def check_fencing(settings: AgentSettings) -> None:
     ex = settings.executor
     if ex.disconnect_stop_s < fence.MIN_DEADLINE_S:
         raise ConfigError(
-            f"--disconnect-stop: {ex.disconnect_stop_s:g}s is shorter than an agent restart; expected at "
-            f"least {fence.MIN_DEADLINE_S:g}s (restarting the agent must never stop its engines)"
+            msg(
+                "agent.flags.disconnect_stop_short",
+                "--disconnect-stop: {stop:g}s is shorter than an agent restart; expected at "
+                "least {least:g}s (restarting the agent must never stop its engines)",
+                stop=ex.disconnect_stop_s,
+                least=fence.MIN_DEADLINE_S,
+            )
         )
     # one frozen replica must never stop the engines: the agent notices it after the ack timeout
     # (checked once per heartbeat interval) and needs a moment to reach another replica, all
@@ -73,20 +79,36 @@ def check_fencing(settings: AgentSettings) -> None:
     failover = settings.ack_timeout_s + settings.heartbeat_interval_s + FAILOVER_S
     if failover > ex.disconnect_stop_s:
         raise ConfigError(
-            f"--ack-timeout {settings.ack_timeout_s:g}s + --heartbeat-interval "
-            f"{settings.heartbeat_interval_s:g}s + failover to another replica {FAILOVER_S:g}s = "
-            f"{failover:g}s is more than --disconnect-stop {ex.disconnect_stop_s:g}s: one frozen replica "
-            "would stop every engine before the agent reaches another; lower --ack-timeout "
-            "(and --heartbeat-interval) or raise --disconnect-stop"
+            msg(
+                "agent.flags.failover_too_slow",
+                "--ack-timeout {ack:g}s + --heartbeat-interval {heartbeat:g}s + failover to another replica "
+                "{failover_s:g}s = {failover:g}s is more than --disconnect-stop {stop:g}s: one frozen replica "
+                "would stop every engine before the agent reaches another; lower --ack-timeout "
+                "(and --heartbeat-interval) or raise --disconnect-stop",
+                ack=settings.ack_timeout_s,
+                heartbeat=settings.heartbeat_interval_s,
+                failover_s=FAILOVER_S,
+                failover=failover,
+                stop=ex.disconnect_stop_s,
+            )
         )
     budget = ex.disconnect_stop_s + fence.FENCE_SLACK_S + ex.stop_grace_s
     if budget >= DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:
         raise ConfigError(
-            f"--disconnect-stop {ex.disconnect_stop_s:g}s + fence check slack {fence.FENCE_SLACK_S:g}s + "
-            f"--stop-grace {ex.stop_grace_s:g}s = {budget:g}s is "
-            f"not below the default node lease {DEFAULT_NODE_LEASE_S:g}s + node_not_ready_grace_seconds "
-            f"{DEFAULT_NODE_GRACE_S:g}s = {DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S:g}s: an engine cut off "
-            "with its node could still run when its instance starts elsewhere; lower them"
+            msg(
+                "agent.flags.fence_too_slow",
+                "--disconnect-stop {stop:g}s + fence check slack {slack:g}s + --stop-grace {grace:g}s = "
+                "{budget:g}s is not below the default node lease {lease:g}s + node_not_ready_grace_seconds "
+                "{node_grace:g}s = {limit:g}s: an engine cut off with its node could still run when its "
+                "instance starts elsewhere; lower them",
+                stop=ex.disconnect_stop_s,
+                slack=fence.FENCE_SLACK_S,
+                grace=ex.stop_grace_s,
+                budget=budget,
+                lease=DEFAULT_NODE_LEASE_S,
+                node_grace=DEFAULT_NODE_GRACE_S,
+                limit=DEFAULT_NODE_LEASE_S + DEFAULT_NODE_GRACE_S,
+            )
         )
 
 
@@ -116,8 +138,15 @@ class Agent:
         self.live_tls.on_reload(self._reloaded)
         if self.tls.identity.name != self.config.node_name:
             raise ConfigError(
-                f"{paths.cert}: certificate is for node {self.tls.identity.name!r} but {settings.config_path} "
-                f"declares node {self.config.node_name!r}; the certificate decides which node an agent speaks for"
+                msg(
+                    "agent.cert_node",
+                    "{cert}: certificate is for node {cert_node!r} but {config} declares node {node!r}; "
+                    "the certificate decides which node an agent speaks for",
+                    cert=str(paths.cert),
+                    cert_node=self.tls.identity.name,
+                    config=settings.config_path,
+                    node=self.config.node_name,
+                )
             )
         state_dir = Path(settings.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)

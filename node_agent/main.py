@@ -8,7 +8,9 @@ import os
 import sys
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.i18n import _, error_text
 from kunlun_common.logs import log_json, setup_logging
+from kunlun_common.messages import msg
 from kunlun_common.trace_ring import ProfileOutput
 from node_agent.settings import AgentSettings, ExecutorSettings
 
@@ -164,12 +166,20 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
     a = p.parse_args(argv)
     endpoints = tuple(e.strip() for e in a.endpoints.split(",") if e.strip())
     if not endpoints:
-        raise ConfigError("--endpoints: expected at least one replica address host:port")
+        raise ConfigError(
+            msg("agent.flags.no_endpoints", "--endpoints: expected at least one replica address host:port")
+        )
     for ep in endpoints:
         if ":" not in ep:
-            raise ConfigError(f"--endpoints: {ep!r} is not host:port")
+            raise ConfigError(
+                msg("agent.flags.endpoint", "--endpoints: {endpoint!r} is not host:port", endpoint=ep)
+            )
     if a.heartbeat_interval <= 0 or a.ack_timeout <= a.heartbeat_interval:
-        raise ConfigError("--ack-timeout must be greater than --heartbeat-interval, both > 0")
+        raise ConfigError(
+            msg(
+                "agent.flags.ack_timeout", "--ack-timeout must be greater than --heartbeat-interval, both > 0"
+            )
+        )
     for flag, value in (
         ("--disconnect-stop", a.disconnect_stop),
         ("--probe-interval", a.probe_interval),
@@ -180,17 +190,39 @@ def build_settings(argv: list[str] | None = None) -> AgentSettings:
         ("--restart-backoff-max", a.restart_backoff_max),
     ):
         if value <= 0:
-            raise ConfigError(f"{flag} must be greater than 0, got {value}")
+            raise ConfigError(
+                msg(
+                    "agent.flags.positive",
+                    "{flag} must be greater than 0, got {value}",
+                    flag=flag,
+                    value=value,
+                )
+            )
     if a.metrics_listen:
         from kunlun_common.metrics_http import split_listen
 
         split_listen(a.metrics_listen, "--metrics-listen")
     if a.package_cache_mb < 0 or a.package_pull_rate_mb < 0:
-        raise ConfigError("--package-cache-mb and --package-pull-rate-mb must not be negative (0: no limit)")
+        raise ConfigError(
+            msg(
+                "agent.flags.package_limits",
+                "--package-cache-mb and --package-pull-rate-mb must not be negative (0: no limit)",
+            )
+        )
     if a.stop_grace < 0:
-        raise ConfigError(f"--stop-grace must not be negative, got {a.stop_grace}")
+        raise ConfigError(
+            msg(
+                "agent.flags.stop_grace", "--stop-grace must not be negative, got {value}", value=a.stop_grace
+            )
+        )
     if not a.health_path.startswith("/"):
-        raise ConfigError(f"--health-path must start with '/', got {a.health_path!r}")
+        raise ConfigError(
+            msg(
+                "agent.flags.health_path",
+                "--health-path must start with '/', got {value!r}",
+                value=a.health_path,
+            )
+        )
     executor = ExecutorSettings(
         health_path=a.health_path,
         probe_interval_s=a.probe_interval,
@@ -242,13 +274,14 @@ def main(argv: list[str] | None = None) -> None:
         fmt = argparse.ArgumentParser(add_help=False)
         fmt.add_argument("--log-level", default="info")
         fmt.add_argument("--log-format", default="")
-        known, _ = fmt.parse_known_args(argv)
+        known, _rest = fmt.parse_known_args(argv)
         setup_logging("kunlun-agent", known.log_level, log_json(known.log_format))
         if settings.executor.disconnect_stop_s >= SCHEDULER_NODE_GRACE_S:
             print(
-                f"kunlun-agent: warning: --disconnect-stop {settings.executor.disconnect_stop_s:g} is not below "
-                f"the scheduler's default node grace ({SCHEDULER_NODE_GRACE_S:g}s): an instance cut off with its "
-                "node may run twice",
+                _(
+                    "kunlun-agent: warning: --disconnect-stop {stop:g} is not below the scheduler's default "
+                    "node grace ({grace:g}s): an instance cut off with its node may run twice"
+                ).format(stop=settings.executor.disconnect_stop_s, grace=SCHEDULER_NODE_GRACE_S),
                 file=sys.stderr,
             )
         from node_agent.agent import Agent
@@ -256,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
 
         agent = Agent(settings, load_declaration(settings))
     except ConfigError as e:
-        print(f"kunlun-agent: {e}", file=sys.stderr)
+        print(_("kunlun-agent: {error}").format(error=error_text(e)), file=sys.stderr)
         sys.exit(2)
     from node_agent.agent import AgentLoopEnded
 
@@ -265,7 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     except AgentLoopEnded as e:
-        print(f"kunlun-agent: stopped: a loop ended on its own ({e}); restart the agent", file=sys.stderr)
+        print(
+            _("kunlun-agent: stopped: a loop ended on its own ({error}); restart the agent").format(
+                error=error_text(e)
+            ),
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

@@ -19,8 +19,11 @@ What must be marked (`unmarked`, also an AST scan): in kunlun-cli (controlplane/
 literal or f-string with a word in it) given to print(), a stream's write(), parser.error(), an
 error's constructor or a helper that shows it (SHOWN_ARGS), and every text passed as a value into a
 marked string's .format() (verify's texts must be literals where they are made); in the
-modules whose errors replicas send to clients (REPLICA_MODULES), every error raised with a text
-instead of a `msg(...)`/`msg_list(...)` message, and every problem text appended to a problem list.
+modules whose errors replicas send to clients (REPLICA_MODULES) and in the settings validators
+whose errors the servers print when they cannot start (STARTUP_MODULES), every error raised with a
+text instead of a `msg(...)`/`msg_list(...)` message, and every problem text appended to a problem
+list; in the servers' entry points (STARTUP_MAINS: kunlun-platform, kunlun-agent, kunlun-gateway),
+every text printed or given to an error, as in kunlun-cli.
 UNMARKED_OK lists the few deliberate exceptions.
 """
 
@@ -67,8 +70,24 @@ REPLICA_MODULES = (
     "kunlun_common/modelpkg",
 )
 """Modules whose errors reach clients through the replicas' @rpc wrapper (or kunlun-cli's own package
-checks): each must carry a message id. Process start-up (settings, main, replica.py, election) is not
-here: those errors go to the operator's terminal and log, not to a client."""
+checks): each must carry a message id. Process start-up is in STARTUP_MAINS and STARTUP_MODULES."""
+STARTUP_MAINS = ("controlplane/main.py", "node_agent/main.py", "gateway/main.py")
+"""The servers' entry points: what they print to stderr (start-up errors, warnings) is marked with
+`_()` and errors they raise carry a message id, checked as kunlun-cli's texts are."""
+STARTUP_MODULES = (
+    "kunlun_common/settings.py",
+    "controlplane/settings.py",
+    "gateway/settings.py",
+    "node_agent/declaration_trust.py",
+    "kunlun_common/metrics_http.py",
+    "kunlun_common/tls.py",
+    "controlplane/replica.py",
+    "controlplane/election.py",
+    "node_agent/agent.py",
+    "gateway/https.py",
+)
+"""The settings and flag validators whose ConfigErrors the entry points print when a server cannot
+start (in the reader's language, `error_text`): each must carry a message id, as replica errors do."""
 VERIFY_PACKAGE = "controlplane/cli/verify"
 """kunlun-cli verify: its checkpoint names, notes, layer titles and skip reasons are plain literals
 where the layers make them (report.json keeps them in English) and are translated where they are
@@ -269,6 +288,9 @@ def _cli_sinks(node: ast.AST) -> list[ast.expr]:
     if name == "print":
         return list(node.args)
     if isinstance(node.func, ast.Attribute) and name in ("write", "error"):
+        receiver = node.func.value
+        if isinstance(receiver, ast.Name) and receiver.id in ("log", "logger"):
+            return []  # a log event name: logs stay English (log pipelines read them)
         return list(node.args[:1])
     if _is_error(name) and name not in _NOT_TEXT_ERRORS:
         return list(node.args[:1])
@@ -314,7 +336,8 @@ def unmarked_source(text: str, source: str, replica: bool) -> list[str]:
 
 
 def unmarked(root: Path = ROOT) -> list[str]:
-    """Every user-facing text of kunlun-cli and of the replicas' client errors that is not marked."""
+    """Every user-facing text of kunlun-cli, of the replicas' client errors and of the servers'
+    start-up errors that is not marked."""
     out: list[str] = []
     for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
         out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
@@ -326,7 +349,10 @@ def unmarked(root: Path = ROOT) -> list[str]:
                 for p in _verify_places(node)
                 if not _verify_literal(p)
             ]
-    for where in REPLICA_MODULES:
+    for where in STARTUP_MAINS:
+        if (root / where).exists():
+            out += unmarked_source((root / where).read_text(encoding="utf-8"), where, False)
+    for where in (*REPLICA_MODULES, *STARTUP_MODULES):
         paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))
         for path in paths:
             if not path.exists():
