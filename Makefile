@@ -1,5 +1,5 @@
 # Kunlun Platform — the two commands: `make demo` (install + local cluster) and `make test`.
-.PHONY: install demo down test lint typecheck proto bench bench-check clean chaos soak dist
+.PHONY: install demo demo-check down test lint typecheck proto bench bench-check clean chaos soak dist
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,6 +9,11 @@ install:
 
 demo: install
 	@$(PY) -m devcluster up
+
+# the acceptance checks on the running demo: etcd as an attacker, a frozen agent, verify 1..5 (not in CI:
+# the demo uses fixed ports); report in demo-acceptance/
+demo-check: install
+	@$(PY) -m scripts.demo_acceptance --report demo-acceptance
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m devcluster down; else echo "nothing to stop"; fi

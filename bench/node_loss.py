@@ -31,7 +31,7 @@ from controlplane.settings import ReplicaSettings
 from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, workload_pb2, workload_pb2_grpc
-from node_agent.executor.ledger import ledger_path, read
+from node_agent.executor.ledger import OPEN, overlap_s, runs_of
 from node_agent.settings import ExecutorSettings
 
 
@@ -85,30 +85,6 @@ def _answers(endpoint: str) -> bool:
         return False
 
 
-def _runs(cluster: LocalCluster, iid: str) -> list[tuple[str, int, int]]:
-    """(node, start_ns, stop_ns) of each engine run of instance `iid`, from every node's ledger."""
-    out = []
-    for node in cluster.node_names():
-        starts: dict[int, int] = {}
-        for e in read(ledger_path(cluster.base / "agents" / node)):
-            if e.get("instance") != iid:
-                continue
-            if e["event"] == "start":
-                starts[int(e["pid"])] = int(e["mono_ns"])
-            elif int(e["pid"]) in starts:
-                out.append((node, starts.pop(int(e["pid"])), int(e["mono_ns"])))
-        out += [(node, s, 2**63) for s in starts.values()]
-    return out
-
-
-def _overlap_s(runs: list[tuple[str, int, int]]) -> float:
-    worst = 0
-    for i, a in enumerate(runs):
-        for b in runs[i + 1 :]:
-            worst = max(worst, min(a[2], b[2]) - max(a[1], b[1]))
-    return worst / 1e9
-
-
 def one_trial(cluster: LocalCluster, mode: str) -> Trial:
     _wl(
         cluster,
@@ -148,8 +124,8 @@ def one_trial(cluster: LocalCluster, mode: str) -> Trial:
                 if cur.phase == "Running" and cur.endpoint and _answers(cur.endpoint):
                     marks["serving"] = time.monotonic() - t0
             time.sleep(0.05)
-        runs = _runs(cluster, iid)
-        old_stops = [stop for node, _, stop in runs if node == lost and stop < 2**63]
+        runs = runs_of({n: cluster.base / "agents" / n for n in cluster.node_names()}, iid)
+        old_stops = [stop for node, _, stop in runs if node == lost and stop < OPEN]
         fenced = (max(old_stops) - t0_ns) / 1e9 if old_stops else float("nan")
         trial = Trial(
             mode,
@@ -157,7 +133,7 @@ def one_trial(cluster: LocalCluster, mode: str) -> Trial:
             fenced,
             marks.get("moved", float("nan")),
             marks.get("serving", float("nan")),
-            _overlap_s(runs),
+            overlap_s(runs),
         )
     finally:
         if mode == "stop":

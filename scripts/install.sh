@@ -56,6 +56,11 @@ if ! command -v nft >/dev/null 2>&1 && [ ! -x /usr/sbin/nft ]; then
   apt_install nftables
 fi
 
+# etcdctl (Debian's etcd-client): `make demo-check` tries etcd with every non-replica certificate
+if ! command -v etcdctl >/dev/null 2>&1; then
+  apt_install --no-install-recommends etcd-client
+fi
+
 # libfaketime: the control-plane fault tests run replicas with skewed wall clocks (LD_PRELOAD)
 if ! command -v faketime >/dev/null 2>&1; then
   apt_install --no-install-recommends faketime

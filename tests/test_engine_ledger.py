@@ -227,3 +227,27 @@ def test_ledger_rpc_is_wrapped_and_listed() -> None:
         assert getattr(getattr(LedgerService, m.name), "__rpc_method__", None) == m.name
         assert PERMISSIONS[f"/{service.full_name}/{m.name}"] == ("operator", "viewer", "replica")
     assert PERMISSIONS["/kunlun.v1.NodeService/Engines"] == ("replica",)
+
+
+def test_runs_across_nodes_and_their_overlap(tmp_path: Path) -> None:
+    """`runs_of` pairs each engine's start with its stop per node (other instances ignored, a run
+    not stopped stays open); `overlap_s` is the longest time two runs were alive together."""
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    s = 1_000_000_000
+
+    def put(folder: Path, kind: str, inst: str, pid: int, at_s: float) -> None:
+        ledger.append(
+            ledger.ledger_path(folder), ledger.event(kind, folder.name, inst, ["d"], pid, "", int(at_s * s))
+        )
+
+    put(a, "start", "i-1", 10, 1.0)
+    put(a, "start", "i-2", 11, 1.5)  # another instance: not counted
+    put(a, "stop", "i-1", 10, 5.0)
+    put(b, "start", "i-1", 20, 5.0)  # starts exactly when the old one stopped: no overlap
+    runs = ledger.runs_of({"node-a": a, "node-b": b}, "i-1")
+    assert sorted(runs) == [("node-a", 1 * s, 5 * s), ("node-b", 5 * s, ledger.OPEN)]
+    assert ledger.overlap_s(runs) == 0
+    put(a, "start", "i-1", 12, 6.0)  # a second engine while node-b's still runs (open)
+    put(a, "stop", "i-1", 12, 8.5)
+    runs = ledger.runs_of({"node-a": a, "node-b": b}, "i-1")
+    assert len(runs) == 3 and ledger.overlap_s(runs) == 2.5

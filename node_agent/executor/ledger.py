@@ -82,3 +82,34 @@ def read(path: Path, tail: int = 0) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return list(out)
+
+
+OPEN = 2**63
+"""The stop time of a run whose engine has not stopped (yet)."""
+
+
+def runs_of(state_dirs: dict[str, Path], instance: str) -> list[tuple[str, int, int]]:
+    """(node, start mono_ns, stop mono_ns or OPEN) of every engine run of `instance`, from the
+    ledgers of the nodes whose agent state folders are given (node -> folder). Comparing runs of
+    different nodes needs one monotonic clock: the nodes of one machine (local clusters, benches)."""
+    out = []
+    for node, folder in state_dirs.items():
+        starts: dict[int, int] = {}
+        for e in read(ledger_path(folder)):
+            if e.get("instance") != instance:
+                continue
+            if e["event"] == "start":
+                starts[int(e["pid"])] = int(e["mono_ns"])
+            elif int(e["pid"]) in starts:
+                out.append((node, starts.pop(int(e["pid"])), int(e["mono_ns"])))
+        out += [(node, s, OPEN) for s in starts.values()]
+    return out
+
+
+def overlap_s(runs: Sequence[tuple[str, int, int]]) -> float:
+    """The longest time any two of `runs` were alive together (0 when none overlapped)."""
+    worst = 0
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            worst = max(worst, min(a[2], b[2]) - max(a[1], b[1]))
+    return worst / 1e9
