@@ -24,7 +24,7 @@ from controlplane.store import EtcdStore, PutOp
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
-from kunlun_common.messages import Message
+from kunlun_common.messages import Message, msg
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
 from kunlun_common.retry import backoff_delay
 
@@ -58,33 +58,79 @@ class NodeSession:
     for the session, only their status fields change)."""
 
 
-def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[str]:
+def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[Message]:
     """Every problem with a registration; empty when it may be accepted."""
-    problems: list[str] = []
+    problems: list[Message] = []
     if reg.node != cert_node:
         problems.append(
-            f"node: the agent certificate is for node {cert_node!r} but the registration names {reg.node!r}; "
-            "the certificate decides which node an agent may speak for"
+            msg(
+                "registration.node_mismatch",
+                "node: the agent certificate is for node {cert_node!r} but the registration names {node!r}; "
+                "the certificate decides which node an agent may speak for",
+                cert_node=cert_node,
+                node=reg.node,
+            )
         )
     if not valid_node_name(reg.node):
-        problems.append(f"node: {reg.node!r} is not a valid node name (lowercase letters, digits, '-')")
+        problems.append(
+            msg(
+                "registration.node_name",
+                "node: {node!r} is not a valid node name (lowercase letters, digits, '-')",
+                node=reg.node,
+            )
+        )
     seen: set[str] = set()
     for i, d in enumerate(reg.devices):
         where = f"devices[{i}]"
         if d.device_type not in DEVICE_TYPES and d.status != types_pb2.DEVICE_STATUS_ERROR:
             problems.append(
-                f"{where}.device_type: expected one of {', '.join(DEVICE_TYPES)}, found {d.device_type!r}"
+                msg(
+                    "registration.device_type",
+                    "{where}.device_type: expected one of {types}, found {found!r}",
+                    where=where,
+                    types=", ".join(DEVICE_TYPES),
+                    found=d.device_type,
+                )
             )
         expect = device_name(reg.node, d.device_type, d.index)
         if d.name != expect:
-            problems.append(f"{where}.name: expected {expect!r}, found {d.name!r}")
+            problems.append(
+                msg(
+                    "registration.device_name",
+                    "{where}.name: expected {expect!r}, found {found!r}",
+                    where=where,
+                    expect=expect,
+                    found=d.name,
+                )
+            )
         if d.name in seen:
-            problems.append(f"{where}.name: duplicate device {d.name!r}")
+            problems.append(
+                msg(
+                    "registration.device_twice",
+                    "{where}.name: duplicate device {name!r}",
+                    where=where,
+                    name=d.name,
+                )
+            )
         seen.add(d.name)
         if d.node != reg.node:
-            problems.append(f"{where}.node: expected {reg.node!r}, found {d.node!r}")
+            problems.append(
+                msg(
+                    "registration.device_node",
+                    "{where}.node: expected {node!r}, found {found!r}",
+                    where=where,
+                    node=reg.node,
+                    found=d.node,
+                )
+            )
     if len(reg.devices) > 1024:
-        problems.append(f"devices: at most 1024 devices per node, found {len(reg.devices)}")
+        problems.append(
+            msg(
+                "registration.too_many_devices",
+                "devices: at most 1024 devices per node, found {count}",
+                count=len(reg.devices),
+            )
+        )
     return problems
 
 
@@ -167,7 +213,9 @@ class NodeSessions:
             ],
         )
         if not res.succeeded:
-            raise TemporaryError(f"registration of {node} was not applied")
+            raise TemporaryError(
+                msg("registration.not_applied", "registration of {node} was not applied", node=node)
+            )
         session = NodeSession(node=node, record=record, lease=lease, connected_at=time.monotonic())
         session.lease_ok_at = session.last_heartbeat = time.monotonic()
         async with self._lock:

@@ -83,10 +83,12 @@ def language() -> str:
 def localize(m: Message, english: str | None = None) -> str:
     """A message with an id in the reader's language: its translation (context = id, msgid = the
     English template) formatted with its values; `english` (default: the message's English text)
-    when the catalog has no translation of that exact template or the translation does not fit."""
+    when the catalog has no translation of that exact template or the translation does not fit. A
+    message that is only a list (template `{parts}`) has nothing of its own to translate: its parts
+    are translated one by one."""
     fallback = str(m) if english is None else english
     translated = pgettext(m.id, m.template)
-    if translated == m.template:
+    if translated == m.template and m.template != "{parts}":  # a bare list: only its parts to translate
         return fallback
     return render(translated, m.values(localize), fallback=fallback)
 

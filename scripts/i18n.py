@@ -55,7 +55,8 @@ SKIP = ("kunlun_common/i18n.py",)
 CLI_PACKAGE = "controlplane/cli"
 """kunlun-cli: every text it shows must be marked."""
 REPLICA_MODULES = (
-    "controlplane/api",  # but not agent_service.py: agents read its refusals, not people
+    "controlplane/api",  # agent_service.py too: its refusals carry ids like every other error
+    "controlplane/nodes.py",  # the registration checks behind those refusals
     "controlplane/gateways",
     "controlplane/workloads",
     "controlplane/store",
@@ -356,8 +357,6 @@ def unmarked(root: Path = ROOT) -> list[str]:
         paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))
         for path in paths:
             if not path.exists():
-                continue
-            if path.name == "agent_service.py":
                 continue
             out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), True)
     return out

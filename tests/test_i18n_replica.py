@@ -2,7 +2,7 @@
 process on a real 3-member TLS etcd) sends its errors with a message id, and the real kunlun-cli
 under LANG=zh_CN.UTF-8 prints them in Chinese, in English otherwise; `-o json` stays English; a
 server that sends no id (an older replica) or an id with a template this CLI does not know is shown
-with its English text."""
+with its English text. The refusals a replica sends an agent carry ids too."""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ FAST_TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 def replica() -> Iterator[LocalCluster]:
     """etcd and a single replica: enough for the replicas' errors, without agents or gateways."""
     base = Path(tempfile.mkdtemp(prefix="kunlun-i18n-", dir=FAST_TMP))
-    c = LocalCluster(ClusterSpec(base_dir=base, replicas=1, node_configs=(), gateways=0, metrics=False))
+    c = LocalCluster(
+        ClusterSpec(
+            base_dir=base, replicas=1, node_configs=(), gateways=0, metrics=False, extra_nodes=("node-x",)
+        )
+    )
     try:
         base.mkdir(parents=True, exist_ok=True)
         c.make_certs()
@@ -165,3 +169,40 @@ def test_validation_errors_from_the_replica_in_chinese(replica: LocalCluster) ->
         "\n  - max_placements_per_commit：应为 1 到 64 的整数（每个事务 128 个 etcd 操作，每次放置 2 个），实际为 0"
         in zh.stderr
     )
+
+
+def test_a_registration_refusal_carries_its_id(
+    replica: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent whose registration names another node than its certificate: refused with the English
+    text as before in the details and every problem's id in the metadata, translated one by one."""
+    from kunlun_common import tls
+    from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
+    from kunlun_common.i18n import localize
+    from kunlun_common.messages import from_metadata
+
+    (ep,) = replica.endpoints
+    creds = tls.channel_credentials(tls.load_tls(paths_for(replica.cert_dir, "agent", "node-x")))
+    device = types_pb2.Device(name="node-y/npu:0", node="node-z", device_type="npu", index=0)
+    register = agent_pb2.RegisterNode(node="node-y", devices=[device])
+    with grpc.secure_channel(ep, creds) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(stub.Connect(iter([agent_pb2.AgentMessage(register=register)]), timeout=30)))
+    e = err.value
+    assert e.code() == grpc.StatusCode.PERMISSION_DENIED, e.details()
+    english = (
+        "node: the agent certificate is for node 'node-x' but the registration names 'node-y'; the "
+        "certificate decides which node an agent may speak for; devices[0].device_type: expected one of "
+    )
+    assert (e.details() or "").startswith(english), e.details()
+    assert (e.details() or "").endswith("found 'npu'; devices[0].node: expected 'node-y', found 'node-z'")
+    m = from_metadata(e.trailing_metadata())
+    assert m is not None and m.id == "registration.refused" and str(m) == e.details()
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    zh = localize(m)
+    assert zh.startswith(
+        "node：agent 证书属于节点 'node-x'，但注册信息写的是 'node-y'；agent 可以代表哪个节点由证书决定; "
+        "devices[0].device_type：应为 "
+    ), zh
+    assert zh.endswith("之一，实际为 'npu'; devices[0].node：应为 'node-y'，实际为 'node-z'"), zh

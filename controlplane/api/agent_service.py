@@ -21,6 +21,7 @@ from controlplane.nodes import NodeSession, NodeSessions, validate_registration
 from controlplane.report_owner import owned_report
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.errors import KunlunError
+from kunlun_common.messages import msg, msg_list, of_error
 from kunlun_common.tls import Identity
 from kunlun_common.wire_limits import TO_AGENT_MAX_BYTES
 
@@ -45,24 +46,35 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "the first message on the stream must be a RegisterNode",
+                msg("registration.first_message", "the first message on the stream must be a RegisterNode"),
             )
         problems = validate_registration(first.register, ident.name)
         if problems:
-            log.warning("registration refused", identity=str(ident), problems=problems)
+            log.warning("registration refused", identity=str(ident), problems=[str(p) for p in problems])
             code = (
                 grpc.StatusCode.PERMISSION_DENIED
                 if first.register.node != ident.name
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
-            await abort(context, code, "; ".join(problems))
+            await abort(
+                context, code, msg_list("registration.refused", "{parts}", problems, bullet="", sep="; ")
+            )
         try:
             if fencing := await self.sessions.fencing_problem(first.register):
                 log.warning("registration refused", identity=str(ident), problem=str(fencing))
-                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(fencing))
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, fencing)
             session = await self.sessions.register(first.register, str(ident))
         except KunlunError as e:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"registration could not be stored: {e}")
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                msg_list(
+                    "registration.not_stored",
+                    "registration could not be stored: {parts}",
+                    [of_error(e)],
+                    bullet="",
+                ),
+            )
         yield agent_pb2.ReplicaMessage(
             register_ack=agent_pb2.RegisterAck(replica=self.replica_name, lease_ttl_seconds=self.lease_ttl_s)
         )
@@ -77,10 +89,10 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
         profiling = asyncio.create_task(self._push_profiling(out), name=f"profiling-{session.node}")
         try:
             while True:
-                msg = await out.get()
-                if msg is None:
+                reply = await out.get()
+                if reply is None:
                     break
-                yield msg
+                yield reply
         finally:
             for t in (reader, pusher, profiling):
                 t.cancel()
@@ -96,19 +108,21 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
         out: asyncio.Queue[agent_pb2.ReplicaMessage | None],
     ) -> None:
         try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("kind")
+            async for incoming in request_iterator:
+                kind = incoming.WhichOneof("kind")
                 if kind == "heartbeat":
-                    if await self.sessions.heartbeat(session, msg.heartbeat):
+                    if await self.sessions.heartbeat(session, incoming.heartbeat):
                         out.put_nowait(
                             agent_pb2.ReplicaMessage(
                                 heartbeat_ack=agent_pb2.HeartbeatAck(
-                                    seq=msg.heartbeat.seq, replica=self.replica_name
+                                    seq=incoming.heartbeat.seq, replica=self.replica_name
                                 )
                             )
                         )
                 elif kind == "report":
-                    await self.sessions.report(session, owned_report(self.feeds, session.node, msg.report))
+                    await self.sessions.report(
+                        session, owned_report(self.feeds, session.node, incoming.report)
+                    )
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
@@ -138,8 +152,8 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                 current = self.feeds.assignments_for(session.node, shared_specs)
                 if last is None or list(current.items) != last:
                     last = list(current.items)
-                    msg = agent_pb2.ReplicaMessage(assignments=current)
-                    size = msg.ByteSize()
+                    reply = agent_pb2.ReplicaMessage(assignments=current)
+                    size = reply.ByteSize()
                     if size > TO_AGENT_MAX_BYTES:
                         log.error(
                             "assignment set too large for the agent channel; not sent",
@@ -151,7 +165,7 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                         )
                     else:
                         work.sends += 1
-                        out.put_nowait(msg)
+                        out.put_nowait(reply)
                 await topic.wait(seen)
         finally:
             index.unsubscribe(session.node)
