@@ -9,7 +9,8 @@ corrupt catalog means English, never a failure.
 
 What is translated: the CLI's help, messages and errors, the errors replicas send with a
 message id (kunlun_common/messages.py), and the start-up errors kunlun-platform, kunlun-agent and
-kunlun-gateway print (their settings and flag validators raise them with message ids). What is not: `-o json` output, table columns and values,
+kunlun-gateway print (their settings and flag validators raise them with message ids), and each
+problem of a device-plugin config (node_agent/plugins/config.py). What is not: `-o json` output, table columns and values,
 and log event names (scripts and log pipelines read them).
 
 Mark a user-facing string with `_()` (or `ngettext`, `pgettext`) at the point of use, never at

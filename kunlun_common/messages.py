@@ -49,6 +49,12 @@ class Message:
     english: str | None = field(default=None, compare=False)
     """The English text as formatted with the values as given (before they were made plain JSON
     values), so that the text is exactly what an f-string would have made; None: format the template."""
+    named: Mapping[str, Message] = field(default_factory=dict)
+    """Placeholders whose values are messages themselves (a config problem's `expected`, `found` and
+    `hint`): each is shown by `each`, i.e. translated on its own."""
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.template, str(self)))
 
     def __str__(self) -> str:
         return self.english if self.english is not None else self.text(str)
@@ -59,9 +65,10 @@ class Message:
 
     def values(self, each: Callable[[Message], str]) -> dict[str, Param]:
         """The params, plus `parts` (each part shown by `each`) when this message lists some."""
-        if not self.parts:
-            return dict(self.params)
-        return {**self.params, "parts": self.sep.join(self.bullet + each(p) for p in self.parts)}
+        out: dict[str, Param] = {**self.params, **{k: each(m) for k, m in self.named.items()}}
+        if self.parts:
+            out["parts"] = self.sep.join(self.bullet + each(p) for p in self.parts)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "template": self.template, "args": dict(self.params)}
@@ -69,6 +76,8 @@ class Message:
             out["parts"] = [p.to_json() for p in self.parts]
             out["bullet"] = self.bullet
             out["sep"] = self.sep
+        if self.named:
+            out["named"] = {k: m.to_json() for k, m in self.named.items()}
         return out
 
     def to_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -87,12 +96,13 @@ def _plain(v: object) -> Param:
 
 def msg(msg_id: str, template: str, /, **params: object) -> Message:
     """A message with stable id `msg_id`; non-JSON values are carried as their str() (its English
-    text is formatted with the values as given, so `{when:%Y-%m-%d}` or `{path!r}` read as usual)."""
-    plain = {k: _plain(v) for k, v in params.items()}
+    text is formatted with the values as given, so `{when:%Y-%m-%d}` or `{path!r}` read as usual); a
+    value that is a Message is translated on its own (`Message.named`)."""
+    named = {k: v for k, v in params.items() if isinstance(v, Message)}
+    plain = {k: _plain(v) for k, v in params.items() if k not in named}
     english = render(template, params, fallback=template)
-    return Message(
-        msg_id, template, plain, english=None if english == render(template, plain, template) else english
-    )
+    formatted = render(template, {**plain, **{k: str(m) for k, m in named.items()}}, template)
+    return Message(msg_id, template, plain, english=None if english == formatted else english, named=named)
 
 
 def msg_list(
@@ -147,12 +157,16 @@ def _from_json(data: object, depth: int = 0) -> Message | None:
         return None
     mid, template, args = data.get("id"), data.get("template"), data.get("args", {})
     parts, bullet, sep = data.get("parts", []), data.get("bullet", "  "), data.get("sep", "\n")
+    named_json = data.get("named", {})
+    if not isinstance(named_json, dict):
+        return None
+    named = {str(k): _from_json(v, depth + 1) for k, v in named_json.items()}
     if not isinstance(mid, str) or not isinstance(template, str) or not isinstance(args, dict):
         return None
     if not isinstance(parts, list) or not isinstance(bullet, str) or not isinstance(sep, str):
         return None
     inner = [_from_json(p, depth + 1) for p in parts]
-    if any(p is None for p in inner):
+    if any(p is None for p in inner) or any(m is None for m in named.values()):
         return None
     return Message(
         mid,
@@ -161,4 +175,5 @@ def _from_json(data: object, depth: int = 0) -> Message | None:
         tuple(p for p in inner if p is not None),
         bullet,
         sep,
+        named={k: m for k, m in named.items() if m is not None},
     )

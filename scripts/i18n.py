@@ -23,7 +23,9 @@ modules whose errors replicas send to clients (REPLICA_MODULES) and in the setti
 whose errors the servers print when they cannot start (STARTUP_MODULES), every error raised with a
 text instead of a `msg(...)`/`msg_list(...)` message, and every problem text appended to a problem
 list; in the servers' entry points (STARTUP_MAINS: kunlun-platform, kunlun-agent, kunlun-gateway),
-every text printed or given to an error, as in kunlun-cli.
+every text printed or given to an error, as in kunlun-cli; in the device-plugin config loader
+(CONFIG_MODULES), every part of a problem: the texts given to Fault(...) and Problem(...), assigned to
+`expected`, `found`, `hint` or `fix`, or returned.
 UNMARKED_OK lists the few deliberate exceptions.
 """
 
@@ -89,6 +91,16 @@ STARTUP_MODULES = (
 )
 """The settings and flag validators whose ConfigErrors the entry points print when a server cannot
 start (in the reader's language, `error_text`): each must carry a message id, as replica errors do."""
+CONFIG_MODULES = (
+    "node_agent/plugins/config.py",
+    "node_agent/plugins/config_schema.py",
+    "node_agent/plugins/config_devices.py",
+    "node_agent/plugins/config_yaml.py",
+)
+"""The device-plugin config loader: every part of a problem (`Fault(...)`, `Problem(...)`, a name
+`expected`, `found`, `hint` or `fix` given a text, a text a function returns) carries a message id, so
+that kunlun-agent prints its ConfigFileError in the reader's language."""
+CONFIG_PARTS = ("expected", "found", "hint", "fix")
 VERIFY_PACKAGE = "controlplane/cli/verify"
 """kunlun-cli verify: its checkpoint names, notes, layer titles and skip reasons are plain literals
 where the layers make them (report.json keeps them in English) and are translated where they are
@@ -99,6 +111,11 @@ SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
     ("controlplane/cli/verify/load.py", "the gateway closed the connection before the answer was complete"),
+    # YAML values as the config loader shows them (`found string "x"`), and a sentinel's repr
+    ("node_agent/plugins/config_yaml.py", "null"),
+    ("node_agent/plugins/config_yaml.py", "true"),
+    ("node_agent/plugins/config_yaml.py", "false"),
+    ("node_agent/plugins/config_schema.py", "NO_DEFAULT"),
 }
 """(module, text) pairs that are deliberately not marked (none should be user-facing)."""
 _WORD = re.compile(r"[A-Za-z]{3,}")
@@ -314,6 +331,27 @@ def _replica_sinks(node: ast.AST) -> list[ast.expr]:
     return []
 
 
+def _config_sinks(node: ast.AST) -> list[ast.expr]:
+    out = _replica_sinks(node)
+    if isinstance(node, ast.Call) and _name(node.func) == "Fault":
+        out += node.args
+    elif isinstance(node, ast.Call) and _name(node.func) == "Problem":
+        out += node.args[3:]
+    elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            names = t.elts if isinstance(t, ast.Tuple) else [t]
+            values = (
+                node.value.elts if isinstance(node.value, ast.Tuple) and isinstance(t, ast.Tuple) else None
+            )
+            for k, n in enumerate(names):
+                if isinstance(n, ast.Name) and n.id in CONFIG_PARTS:
+                    out.append(values[k] if values is not None else node.value)
+    elif isinstance(node, ast.Return) and node.value is not None:
+        out.append(node.value)
+    return out
+
+
 def _leaves(node: ast.expr) -> list[ast.expr]:
     """The expressions a value can come from: both branches of `a if c else b`, each of `a or b`."""
     if isinstance(node, ast.IfExp):
@@ -323,10 +361,11 @@ def _leaves(node: ast.expr) -> list[ast.expr]:
     return [node]
 
 
-def unmarked_source(text: str, source: str, replica: bool) -> list[str]:
-    """The unmarked user-facing texts of one module, as 'file:line: text'."""
+def unmarked_source(text: str, source: str, replica: bool, config: bool = False) -> list[str]:
+    """The unmarked user-facing texts of one module, as 'file:line: text' (`config`: a module of the
+    device-plugin config loader, CONFIG_MODULES)."""
     out = []
-    sinks = _replica_sinks if replica else _cli_sinks
+    sinks = _config_sinks if config else _replica_sinks if replica else _cli_sinks
     for node in ast.walk(ast.parse(text, source)):
         for arg in sinks(node):
             for b in _leaves(arg):
@@ -359,6 +398,9 @@ def unmarked(root: Path = ROOT) -> list[str]:
             if not path.exists():
                 continue
             out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), True)
+    for where in CONFIG_MODULES:
+        if (root / where).exists():
+            out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, config=True)
     return out
 
 

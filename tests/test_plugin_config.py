@@ -1093,8 +1093,8 @@ def loader_only(p: Problem) -> bool:
     """Problems the JSON Schema cannot express (see its top-level description)."""
     return (
         "topology_distance" in p.field
-        or p.expected.startswith(("a device id not declared", "total_memory_mb >=", "an IP address"))
-        or p.hint.startswith("write a whole number")  # JSON Schema counts 5.0 as an integer
+        or str(p.expected).startswith(("a device id not declared", "total_memory_mb >=", "an IP address"))
+        or str(p.hint).startswith("write a whole number")  # JSON Schema counts 5.0 as an integer
     )
 
 

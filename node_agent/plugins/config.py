@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 import yaml
 
 from kunlun_common.errors import ConfigError
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.names import device_name
-from node_agent.plugins.config_devices import Built, Entry, expand, read_entry
+from node_agent.plugins.config_devices import Built, Entry, empty_list, expand, read_entry
 from node_agent.plugins.config_schema import (
     MAX_DEVICES,
     MAX_FILE_BYTES,
@@ -50,6 +51,7 @@ from node_agent.plugins.config_schema import (
     Fault,
     Issue,
     Problem,
+    Text,
     check_number,
     check_scalar,
     read_keys,
@@ -132,7 +134,9 @@ class ConfigFileError(ConfigError):
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = sorted(dict.fromkeys(problems), key=lambda p: p.line)  # a group shares problems
-        super().__init__("\n".join(str(p) for p in self.problems))
+        super().__init__(
+            msg_list("config.problems", "{parts}", [p.message() for p in self.problems], bullet="")
+        )
 
 
 def schema_path() -> pathlib.Path:
@@ -143,28 +147,34 @@ def schema_path() -> pathlib.Path:
 def load_config(path: str | os.PathLike[str]) -> NodeConfig:
     """Read and check a device-plugin config file; raise ConfigFileError if it cannot be used."""
     name = os.fspath(path)
-    fix = "create it (examples in deploy/examples/) or give the agent the right path"
     try:
         with open(name, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigFileError(
-            [Problem(name, 1, "file", "a device-plugin config file", "no such file", fix)]
-        ) from None
+        expected = msg("config.expected.config_file", "a device-plugin config file")
+        fix = msg(
+            "config.hint.create", "create it (examples in deploy/examples/) or give the agent the right path"
+        )
+        found = msg("config.found.no_such_file", "no such file")
+        raise ConfigFileError([Problem(name, 1, "file", expected, found, fix)]) from None
     except OSError as e:
-        found = f"it cannot be read ({e.strerror or e})"
-        hint = "make it a readable file for the agent's user, or give the agent the right path"
-        raise ConfigFileError([Problem(name, 1, "file", "a readable file", found, hint)]) from None
+        found = msg("config.found.unreadable", "it cannot be read ({reason})", reason=e.strerror or str(e))
+        hint = msg(
+            "config.hint.readable",
+            "make it a readable file for the agent's user, or give the agent the right path",
+        )
+        expected = msg("config.expected.readable", "a readable file")
+        raise ConfigFileError([Problem(name, 1, "file", expected, found, hint)]) from None
     if len(data) > MAX_FILE_BYTES:
-        found = f"more than {MAX_FILE_BYTES} bytes"
-        raise ConfigFileError([Problem(name, 1, "file", "a config file of at most 1 MiB", found)])
+        found = msg("config.found.too_many_bytes", "more than {max} bytes", max=MAX_FILE_BYTES)
+        raise ConfigFileError([Problem(name, 1, "file", _at_most_1mib(), found)])
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ConfigFileError(
-            [Problem(name, line, "file", "UTF-8 text", f"byte {data[e.start]:#04x}")]
-        ) from None
+        expected = msg("config.expected.utf8", "UTF-8 text")
+        found = msg("config.found.byte", "byte {byte}", byte=f"{data[e.start]:#04x}")
+        raise ConfigFileError([Problem(name, line, "file", expected, found)]) from None
     return parse_config(text, name)
 
 
@@ -188,7 +198,8 @@ class _Loader:
 
     def load(self, text: str) -> NodeConfig:
         if len(text) > MAX_FILE_BYTES:
-            self.fail(1, "file", Fault("a config file of at most 1 MiB", f"{len(text)} characters"))
+            found = msg("config.found.characters", "{count} characters", count=len(text))
+            self.fail(1, "file", Fault(_at_most_1mib(), found))
             raise ConfigFileError(self.fatal)
         root = self._compose(text)
         if root is None:
@@ -198,7 +209,10 @@ class _Loader:
         version_node = keys.get("schema_version")
         version = check_number(ROOT_FIELDS[0], version_node)
         if isinstance(version, Fault) or version != SCHEMA_VERSION:
-            hint = "this agent reads version 1 only; write schema_version: 1 as the first line"
+            hint = msg(
+                "config.hint.schema_version",
+                "this agent reads version 1 only; write schema_version: 1 as the first line",
+            )
             found = describe(version_node)
             self.fail(
                 line_of(version_node or root), "schema_version", Fault(str(SCHEMA_VERSION), found, hint)
@@ -224,23 +238,29 @@ class _Loader:
         )
 
     def _compose(self, text: str) -> Node | None:
-        expected = "a YAML mapping with schema_version, node and devices"
+        expected = msg("config.expected.root", "a YAML mapping with schema_version, node and devices")
+        valid = msg("config.expected.valid_yaml", "valid YAML")
         try:
             root = compose(text)
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             line = int(mark.line) + 1 if mark is not None else 1
             what = " ".join(str(x) for x in (e.context, e.problem) if x)
-            self.fail(line, "file", Fault("valid YAML", f"a YAML syntax error: {what}", _yaml_hint(what)))
+            found = msg("config.found.yaml_syntax", "a YAML syntax error: {what}", what=what)
+            self.fail(line, "file", Fault(valid, found, _yaml_hint(what)))
             return None
         except yaml.YAMLError as e:
-            self.fail(1, "file", Fault("valid YAML text", f"a YAML error: {e}"))
+            found = msg("config.found.yaml_error", "a YAML error: {error}", error=str(e))
+            self.fail(1, "file", Fault(msg("config.expected.valid_yaml_text", "valid YAML text"), found))
             return None
         except RecursionError:
-            self.fail(1, "file", Fault("valid YAML", "nesting too deep to read"))
+            self.fail(1, "file", Fault(valid, msg("config.found.too_deep", "nesting too deep to read")))
             return None
         if root is None:
-            self.fail(1, "file", Fault(expected, "an empty document", "see deploy/examples/ for a template"))
+            hint = msg("config.hint.template", "see deploy/examples/ for a template")
+            self.fail(
+                1, "file", Fault(expected, msg("config.found.empty_document", "an empty document"), hint)
+            )
             return None
         if not is_mapping(root):
             self.fail(line_of(root), "file", Fault(expected, describe(root)))
@@ -250,11 +270,13 @@ class _Loader:
     def _node(self, section: Node | None, root: Node) -> dict[str, object]:
         values: dict[str, object] = {s.name: s.default for s in NODE_FIELDS}
         if section is None or not is_mapping(section):
-            hint = "add a node: section with name and address"
+            hint = msg("config.hint.add_node", "add a node: section with name and address")
             self.fail(
                 line_of(section or root),
                 "node",
-                Fault("a mapping with name, address...", describe(section), hint),
+                Fault(
+                    msg("config.expected.node", "a mapping with name, address..."), describe(section), hint
+                ),
             )
             return values
         keys, issues = read_keys(section, NODE_FIELDS)
@@ -274,10 +296,13 @@ class _Loader:
         return values
 
     def _entries(self, devices: Node | None, root: Node) -> list[Entry]:
-        hint = "declare the node's accelerators under devices:, see deploy/examples/"
+        hint = msg(
+            "config.hint.devices", "declare the node's accelerators under devices:, see deploy/examples/"
+        )
         if devices is None or not is_sequence(devices) or not devices.value:
-            found = "an empty list" if is_sequence(devices) else describe(devices)
-            self.fail(line_of(devices or root), "devices", Fault("a non-empty list of devices", found, hint))
+            found = empty_list() if is_sequence(devices) else describe(devices)
+            expected = msg("config.expected.devices", "a non-empty list of devices")
+            self.fail(line_of(devices or root), "devices", Fault(expected, found, hint))
             return []
         entries: list[Entry] = []
         count = 0
@@ -286,8 +311,11 @@ class _Loader:
             count += len(entry.ids)
             entries.append(entry)
             if count > MAX_DEVICES:
-                found = f"more than {MAX_DEVICES}"
-                self.fail(line_of(item), "devices", Fault(f"at most {MAX_DEVICES} devices on a node", found))
+                found = msg("config.found.more_than", "more than {max}", max=MAX_DEVICES)
+                expected = msg(
+                    "config.expected.max_devices", "at most {max} devices on a node", max=MAX_DEVICES
+                )
+                self.fail(line_of(item), "devices", Fault(expected, found))
                 return []
         return entries
 
@@ -318,11 +346,15 @@ def _opt_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _yaml_hint(what: str) -> str:
+def _at_most_1mib() -> Message:
+    return msg("config.expected.at_most_1mib", "a config file of at most 1 MiB")
+
+
+def _yaml_hint(what: str) -> Text:
     if "'\\t'" in what or "tab" in what:
-        return "indent with spaces, YAML does not allow tabs"
+        return msg("config.hint.tabs", "indent with spaces, YAML does not allow tabs")
     if "nested over" in what:
-        return "a device-plugin config needs 5 levels at most"
+        return msg("config.hint.levels", "a device-plugin config needs 5 levels at most")
     if "mapping values are not allowed" in what:
-        return "quote values that contain ': ', or put a space after each ':'"
-    return "check indentation and quoting near that line"
+        return msg("config.hint.colon", "quote values that contain ': ', or put a space after each ':'")
+    return msg("config.hint.yaml", "check indentation and quoting near that line")

@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from kunlun_common.messages import Message, msg
 from kunlun_common.names import device_name
 from node_agent.plugins.config_schema import (
     DEVICE_FIELDS,
@@ -25,10 +26,13 @@ from node_agent.plugins.config_schema import (
     FieldSpec,
     Issue,
     Problem,
+    Text,
     check_number,
     check_scalar,
+    each_once,
     expected_text,
     read_keys,
+    remove_one,
     suggest,
 )
 from node_agent.plugins.config_yaml import (
@@ -95,7 +99,9 @@ class Built:
 def read_entry(index: int, node: Node) -> Entry:
     entry = Entry(index, line_of(node))
     if not is_mapping(node):
-        expected = "a mapping of device fields (device_type, device_id, model...)"
+        expected = msg(
+            "config.expected.device_mapping", "a mapping of device fields (device_type, device_id, model...)"
+        )
         entry.fault(node, "", Fault(expected, describe(node)))
         entry.ids, entry.readable = [None], False
         return entry
@@ -122,10 +128,13 @@ def read_entry(index: int, node: Node) -> Entry:
     if total is None:
         entry.total_memory_mb = entry.hbm_memory_mb
     elif entry.hbm_memory_mb and 0 < entry.total_memory_mb < entry.hbm_memory_mb:
-        expected = f"total_memory_mb >= hbm_memory_mb ({entry.hbm_memory_mb})"
-        entry.fault(
-            total, "total_memory_mb", Fault(expected, str(entry.total_memory_mb), "total counts HBM too")
+        expected = msg(
+            "config.expected.total_ge_hbm",
+            "total_memory_mb >= hbm_memory_mb ({hbm})",
+            hbm=entry.hbm_memory_mb,
         )
+        hint = msg("config.hint.total_counts_hbm", "total counts HBM too")
+        entry.fault(total, "total_memory_mb", Fault(expected, str(entry.total_memory_mb), hint))
     _read_dtypes(entry, keys.get("supported_dtypes"))
     _read_attributes(entry, keys.get("custom_attributes"))
     return entry
@@ -133,22 +142,32 @@ def read_entry(index: int, node: Node) -> Entry:
 
 def _check(spec: FieldSpec, node: Node | None) -> str | bool | int | float | Fault:
     value = check_scalar(spec, node)
-    return Fault(expected_text(spec), "null") if value is None else value  # no device field is nullable
+    return (
+        Fault(expected_text(spec), msg("config.found.null", "null")) if value is None else value
+    )  # no device field is nullable
 
 
 def _read_ids(entry: Entry) -> None:
     one, many = entry.keys.get("device_id"), entry.keys.get("device_ids")
     if one is not None and many is not None:
-        expected = "either device_id (one device) or device_ids (a group), not both"
-        entry.fault(one, "device_id", Fault(expected, "both", "keep device_ids and remove device_id"))
+        expected = msg(
+            "config.expected.id_or_ids", "either device_id (one device) or device_ids (a group), not both"
+        )
+        both = msg("config.found.both", "both")
+        entry.fault(
+            one,
+            "device_id",
+            Fault(expected, both, msg("config.hint.keep_ids", "keep device_ids and remove device_id")),
+        )
     if many is not None:
         entry.group = True
         if not is_sequence(many) or not many.value:
             scalar = scalar_value(many) if isinstance(many, ScalarNode) else None
-            hint = "write a list, e.g. device_ids: [0, 1, 2, 3]"
+            hint = msg("config.hint.ids_list", "write a list, e.g. device_ids: [0, 1, 2, 3]")
             if isinstance(scalar, int) and not isinstance(scalar, bool):
-                hint = f"for one device write device_id: {scalar}"
-            entry.fault(many, "device_ids", Fault("a non-empty list of device ids", describe(many), hint))
+                hint = msg("config.hint.one_device_id", "for one device write device_id: {id}", id=scalar)
+            expected = msg("config.expected.ids", "a non-empty list of device ids")
+            entry.fault(many, "device_ids", Fault(expected, describe(many), hint))
             # how many devices? as many as topology rows, if those are rows; the shape follows
             topo = entry.keys.get("topology_distance")
             entry.group = (
@@ -172,20 +191,30 @@ def _read_ids(entry: Entry) -> None:
             entry.id_issues[0] = [Issue(line_of(one), "device_id", value)]
         entry.ids = [None if isinstance(value, Fault) else int(value)]
     else:
-        expected = "device_id (one device) or device_ids (a group of identical devices)"
-        entry.fault(None, "device_id", Fault(expected, "neither", "add device_id: 0"))
+        expected = msg(
+            "config.expected.id_or_group",
+            "device_id (one device) or device_ids (a group of identical devices)",
+        )
+        hint = msg("config.hint.add", "add {field}: {value}", field="device_id", value="0")
+        entry.fault(None, "device_id", Fault(expected, msg("config.found.neither", "neither"), hint))
         entry.ids = [None]
 
 
 def _read_dtypes(entry: Entry, node: Node | None) -> None:
-    expected = "a non-empty list of dtypes from " + ", ".join(DTYPES)
+    expected = msg(
+        "config.expected.dtypes", "a non-empty list of dtypes from {choices}", choices=", ".join(DTYPES)
+    )
     if node is None or not is_sequence(node) or not node.value:
         value = scalar_value(node) if isinstance(node, ScalarNode) else None
-        hint = f"write a list: [{value}]" if isinstance(value, str) else "e.g. supported_dtypes: [fp16, bf16]"
+        hint: Text = (
+            msg("config.hint.write_list", "write a list: [{value}]", value=value)
+            if isinstance(value, str)
+            else msg("config.hint.dtypes_eg", "e.g. supported_dtypes: [fp16, bf16]")
+        )
         entry.fault(
             node,
             "supported_dtypes",
-            Fault(expected, "an empty list" if is_sequence(node) else describe(node), hint),
+            Fault(expected, empty_list() if is_sequence(node) else describe(node), hint),
         )
         return
     dtypes: list[str] = []
@@ -194,9 +223,16 @@ def _read_dtypes(entry: Entry, node: Node | None) -> None:
         name = f"supported_dtypes[{k}]"
         if not isinstance(value, str) or value not in DTYPES:
             hint = suggest(value, DTYPES, DTYPE_ALIASES) if isinstance(value, str) else ""
-            entry.fault(item, name, Fault("one of " + ", ".join(DTYPES), describe(item), hint))
+            one_of = msg("config.expected.one_of", "one of {choices}", choices=", ".join(DTYPES))
+            entry.fault(item, name, Fault(one_of, describe(item), hint))
         elif value in dtypes:
-            entry.fault(item, name, Fault("each dtype once", f"{value} again", "remove the repeated one"))
+            again = msg("config.found.value_again", "{value} again", value=value)
+            fault = Fault(
+                msg("config.expected.dtype_once", "each dtype once"),
+                again,
+                msg("config.hint.remove_repeated", "remove the repeated one"),
+            )
+            entry.fault(item, name, fault)
         else:
             dtypes.append(value)
     entry.supported_dtypes = tuple(dtypes)
@@ -205,34 +241,45 @@ def _read_dtypes(entry: Entry, node: Node | None) -> None:
 def _read_attributes(entry: Entry, node: Node | None) -> None:
     if node is None:
         return
-    expected = "a mapping of names to strings, numbers or booleans"
+    expected = msg("config.expected.attributes", "a mapping of names to strings, numbers or booleans")
     if not is_mapping(node):
-        entry.fault(
-            node, "custom_attributes", Fault(expected, describe(node), "e.g. {aclnn_fusion_enabled: true}")
-        )
+        hint = msg("config.hint.attributes_eg", "e.g. {example}", example="{aclnn_fusion_enabled: true}")
+        entry.fault(node, "custom_attributes", Fault(expected, describe(node), hint))
         return
     attributes: dict[str, str | int | float | bool] = {}
     for key_node, value_node in node.value:
         key = scalar_value(key_node) if isinstance(key_node, ScalarNode) else None
         if not isinstance(key, str):
-            entry.fault(
-                key_node, "custom_attributes", Fault("string keys", describe(key_node), "quote the key")
+            fault = Fault(
+                msg("config.expected.string_keys", "string keys"),
+                describe(key_node),
+                msg("config.hint.quote_key", "quote the key"),
             )
+            entry.fault(key_node, "custom_attributes", fault)
             continue
         name = f"custom_attributes.{key}"
         value = scalar_value(value_node) if isinstance(value_node, ScalarNode) else None
         if key in attributes:
-            entry.fault(key_node, name, Fault("each key once", f"'{key}' again", "remove one of them"))
+            again = msg("config.found.quoted_again", "'{key}' again", key=key)
+            entry.fault(key_node, name, Fault(each_once(), again, remove_one()))
         elif isinstance(value, float) and not math.isfinite(value):
-            entry.fault(
-                value_node, name, Fault("a finite number", describe(value_node), "quote it for a string")
+            fault = Fault(
+                msg("config.expected.finite", "a finite number"),
+                describe(value_node),
+                msg("config.hint.quote_for_string", "quote it for a string"),
             )
+            entry.fault(value_node, name, fault)
         elif isinstance(value, str | int | float | bool):  # bool is an int
             attributes[key] = value
         else:
             scalar = isinstance(value_node, ScalarNode)
-            hint = "quote it for a string, or remove the key" if scalar else "flatten it to scalar values"
-            entry.fault(value_node, name, Fault("a string, number or boolean", describe(value_node), hint))
+            hint = (
+                msg("config.hint.quote_or_remove", "quote it for a string, or remove the key")
+                if scalar
+                else msg("config.hint.flatten", "flatten it to scalar values")
+            )
+            scalar_kind = msg("config.expected.scalar", "a string, number or boolean")
+            entry.fault(value_node, name, Fault(scalar_kind, describe(value_node), hint))
     entry.custom_attributes = attributes
 
 
@@ -246,11 +293,18 @@ def expand(entries: list[Entry], node_name: str, path: str) -> tuple[list[Built]
                 continue
             if (e.device_type, device_id) in seen:
                 where = f"devices[{e.index}]." + (f"device_ids[{k}]" if e.group else "device_id")
-                found = (
-                    f"{e.device_type} {device_id} again (first on line {seen[(e.device_type, device_id)]})"
+                found = msg(
+                    "config.found.device_again",
+                    "{type} {id} again (first on line {first})",
+                    type=e.device_type,
+                    id=device_id,
+                    first=seen[(e.device_type, device_id)],
                 )
-                hint = "each (device_type, device_id) pair must be unique on a node"
-                fatal.append(Problem(path, e.line, where, "a device id not declared before", found, hint))
+                hint = msg(
+                    "config.hint.unique_pair", "each (device_type, device_id) pair must be unique on a node"
+                )
+                expected = msg("config.expected.new_id", "a device id not declared before")
+                fatal.append(Problem(path, e.line, where, expected, found, hint))
             seen.setdefault((e.device_type, device_id), e.line)
     built: list[Built] = []
     for e in entries:
@@ -294,15 +348,37 @@ def _problem(path: str, index: int, issue: Issue, names: str) -> Problem:
     return Problem(path, issue.line, f"devices[{index}]{sub} ({names})", *issue.fault)
 
 
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
+def _rows_found(count: int, shown: str) -> Message:
+    if count == 1:
+        return msg("config.found.one_row", "1 row {value}", value=shown)
+    return msg("config.found.rows", "{count} rows {value}", count=count, value=shown)
 
 
-def _expected_row(n: int) -> str:
-    return f"a row of {n} distances for this device (the node declares {n} devices: a {n}x{n} matrix, {n * n} values)"
+def _values_found(count: int, shown: str) -> Message:
+    if count == 1:
+        return msg("config.found.one_value", "1 value {value}", value=shown)
+    return msg("config.found.values", "{count} values {value}", count=count, value=shown)
 
 
-_ROW_HINT = "list its distance to every device of the node in declaration order, 0 for itself"
+def empty_list() -> Message:
+    return msg("config.found.empty_list", "an empty list")
+
+
+def _expected_row(n: int) -> Message:
+    return msg(
+        "config.expected.row",
+        "a row of {n} distances for this device (the node declares {n} devices: a {n}x{n} matrix, {nn} values)",
+        n=n,
+        nn=n * n,
+    )
+
+
+def _row_hint() -> Message:
+    return msg(
+        "config.hint.row", "list its distance to every device of the node in declaration order, 0 for itself"
+    )
+
+
 PerDevice = tuple[Row | None, list[Issue], str, int]  # row, issues, the row's field, its line
 
 
@@ -316,7 +392,7 @@ def _rows(e: Entry, n: int) -> tuple[list[Issue], list[PerDevice]]:
     if not e.group:
         if topo is None:
             return [
-                Issue(e.line, "topology_distance", Fault(_expected_row(n), describe(None), _ROW_HINT))
+                Issue(e.line, "topology_distance", Fault(_expected_row(n), describe(None), _row_hint()))
             ], unknown
         return [], [(*_row(topo, n, "topology_distance", False), "topology_distance", line_of(topo))]
     if is_sequence(topo) and topo is not None and len(topo.value) == count:
@@ -325,25 +401,46 @@ def _rows(e: Entry, n: int) -> tuple[list[Issue], list[PerDevice]]:
             name = f"topology_distance[{k}]"
             out.append((*_row(item, n, name, True), name, line_of(item)))
         return [], out
-    expected = f"{_plural(count, 'row')}, one per device of device_ids, each a row of {n} distances (a {n}x{n} matrix)"
-    if topo is None:
-        found, hint, line = describe(None), _ROW_HINT, e.line
+    if count == 1:
+        expected = msg(
+            "config.expected.group_row",
+            "1 row, one per device of device_ids, each a row of {n} distances (a {n}x{n} matrix)",
+            n=n,
+        )
     else:
-        found = f"{_plural(len(topo.value), 'row')} {render(topo)}" if is_sequence(topo) else describe(topo)
-        hint, line = "one row per device, in the order of device_ids", line_of(topo)
+        expected = msg(
+            "config.expected.group_rows",
+            "{count} rows, one per device of device_ids, each a row of {n} distances (a {n}x{n} matrix)",
+            count=count,
+            n=n,
+        )
+    found: Text
+    hint: Text
+    if topo is None:
+        found, hint, line = describe(None), _row_hint(), e.line
+    else:
+        found = _rows_found(len(topo.value), render(topo)) if is_sequence(topo) else describe(topo)
+        hint = msg("config.hint.row_per_device", "one row per device, in the order of device_ids")
+        line = line_of(topo)
     return [Issue(line, "topology_distance", Fault(expected, found, hint))], unknown
 
 
 def _row(node: Node, n: int, name: str, group: bool) -> tuple[Row | None, list[Issue]]:
     line = line_of(node)
     if not is_sequence(node):
-        hint = "device_ids declares a group: give one row (a list) per device" if group else ""
+        hint: Text = (
+            msg("config.hint.group_rows", "device_ids declares a group: give one row (a list) per device")
+            if group
+            else ""
+        )
         return None, [Issue(line, name, Fault(_expected_row(n), describe(node), hint))]
     if len(node.value) != n or (not group and any(is_sequence(v) for v in node.value)):
-        hint = _ROW_HINT
+        hint = _row_hint()
         if not group and any(is_sequence(v) for v in node.value):
-            hint = "device_id declares one device: write its row as one list, e.g. [0, 1]"
-        found = f"{_plural(len(node.value), 'value')} {render(node)}"
+            hint = msg(
+                "config.hint.one_row", "device_id declares one device: write its row as one list, e.g. [0, 1]"
+            )
+        found = _values_found(len(node.value), render(node))
         return None, [Issue(line, name, Fault(_expected_row(n), found, hint))]
     row: list[int] = []
     issues: list[Issue] = []
@@ -362,18 +459,34 @@ def _check_matrix(
     """Zero diagonal and symmetry, over the rows that could be read."""
     for i, row in enumerate(rows):
         if row is not None and row[i] != 0:
-            expected = f"0 at position {i}, the distance from {names[i]} to itself"
+            expected = msg(
+                "config.expected.zero_diagonal",
+                "0 at position {i}, the distance from {name} to itself",
+                i=i,
+                name=names[i],
+            )
             out[i].append(Issue(lines[i], f"{fields[i]}[{i}]", Fault(expected, str(row[i]))))
     for i, row_i in enumerate(rows):
         for j in range(i + 1, len(rows)):
             row_j = rows[j]
             if row_i is None or row_j is None or row_i[j] == row_j[i]:
                 continue
-            expected = f"the same distance both ways between {names[i]} and {names[j]} (a symmetric matrix)"
-            found = (
-                f"{names[i]} -> {names[j]} = {row_i[j]} (line {lines[i]})"
-                f" but {names[j]} -> {names[i]} = {row_j[i]} (line {lines[j]})"
+            expected = msg(
+                "config.expected.symmetric",
+                "the same distance both ways between {a} and {b} (a symmetric matrix)",
+                a=names[i],
+                b=names[j],
             )
-            fault = Fault(expected, found, "make the two values equal")
+            found = msg(
+                "config.found.asymmetric",
+                "{a} -> {b} = {ab} (line {line_a}) but {b} -> {a} = {ba} (line {line_b})",
+                a=names[i],
+                b=names[j],
+                ab=row_i[j],
+                ba=row_j[i],
+                line_a=lines[i],
+                line_b=lines[j],
+            )
+            fault = Fault(expected, found, msg("config.hint.equal", "make the two values equal"))
             out[i].append(Issue(lines[i], f"{fields[i]}[{j}]", fault))
             out[j].append(Issue(lines[j], f"{fields[j]}[{i}]", fault))

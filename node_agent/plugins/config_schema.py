@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kunlun_common.messages import Message, msg, plain
 from kunlun_common.names import DEVICE_TYPES, NODE_NAME_RE, valid_node_name
 from node_agent.plugins.config_yaml import (
     MappingNode,
@@ -36,6 +37,10 @@ MAX_FILE_BYTES = 1 << 20
 ATTRIBUTE_TYPES = ("string", "integer", "number", "boolean")  # JSON types of custom_attributes values
 
 
+Text = str | Message
+"""A problem's part: a message with an id (translated), or a value shown as is."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong in a config file, rendered `FILE:LINE: FIELD: expected X, found Y[; HINT]`."""
@@ -43,21 +48,51 @@ class Problem:
     path: str
     line: int
     field: str
-    expected: str
-    found: str
-    hint: str = ""
+    expected: Text
+    found: Text
+    hint: Text = ""
 
     def __str__(self) -> str:
         text = f"{self.path}:{self.line}: {self.field}: expected {self.expected}, found {self.found}"
         return f"{text}; {self.hint}" if self.hint else text
 
+    def message(self) -> Message:
+        """This problem with its message ids: the frame and each of expected, found and hint are
+        translated on their own (str() of it is the English text above)."""
+        expected, found = as_message(self.expected), as_message(self.found)
+        if self.hint:
+            return msg(
+                "config.problem_hint",
+                "{path}:{line}: {field}: expected {expected}, found {found}; {hint}",
+                path=self.path,
+                line=self.line,
+                field=self.field,
+                expected=expected,
+                found=found,
+                hint=as_message(self.hint),
+            )
+        return msg(
+            "config.problem",
+            "{path}:{line}: {field}: expected {expected}, found {found}",
+            path=self.path,
+            line=self.line,
+            field=self.field,
+            expected=expected,
+            found=found,
+        )
+
+
+def as_message(text: Text) -> Message:
+    """A problem's part as a message: a value without words (a number, a name) is shown as is."""
+    return text if isinstance(text, Message) else plain(text)
+
 
 class Fault(NamedTuple):
     """A problem before it knows its file, line and field."""
 
-    expected: str
-    found: str
-    hint: str = ""
+    expected: Text
+    found: Text
+    hint: Text = ""
 
 
 class _NoDefault:
@@ -197,33 +232,49 @@ DTYPE_ALIASES = {
 }
 
 
-def suggest(word: str, choices: tuple[str, ...] | list[str], aliases: dict[str, str] | None = None) -> str:
+def suggest(
+    word: str, choices: tuple[str, ...] | list[str], aliases: dict[str, str] | None = None
+) -> Message:
     """A "did you mean" hint, or the list of choices when nothing is close."""
     low = word.lower()
     if low in choices and low != word:
-        return f"write it in lowercase: '{low}'"
+        return msg("config.hint.lowercase_quoted", "write it in lowercase: '{value}'", value=low)
     if aliases and low in aliases and aliases[low] in choices:
-        return f"did you mean '{aliases[low]}'?"
+        return msg("config.hint.did_you_mean", "did you mean '{value}'?", value=aliases[low])
     close = difflib.get_close_matches(low, list(choices), n=1, cutoff=0.6)
     if close:
-        return f"did you mean '{close[0]}'?"
-    return "valid: " + ", ".join(choices)
+        return msg("config.hint.did_you_mean", "did you mean '{value}'?", value=close[0])
+    return msg("config.hint.valid", "valid: {choices}", choices=", ".join(choices))
 
 
 def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def expected_text(spec: FieldSpec) -> str:
+def expected_text(spec: FieldSpec) -> Text:
     """'an integer >= 1 (MB)', 'true or false', 'one of ascend, cambricon, hygon, nvidia'..."""
+    text: Text
     if spec.enum:
-        text = "one of " + ", ".join(str(v) for v in spec.enum) if len(spec.enum) > 1 else str(spec.enum[0])
+        choices = ", ".join(str(v) for v in spec.enum)
+        text = (
+            msg("config.expected.one_of", "one of {choices}", choices=choices)
+            if len(spec.enum) > 1
+            else choices
+        )
     elif spec.type == "boolean":
-        text = "true or false"
+        text = msg("config.expected.bool", "true or false")
     elif spec.type == "string":
-        text = "a non-empty string" if spec.min_length else "a string"
+        text = (
+            msg("config.expected.non_empty_string", "a non-empty string")
+            if spec.min_length
+            else msg("config.expected.string", "a string")
+        )
     else:
-        text = "an integer" if spec.type == "integer" else "a number"
+        text = (
+            msg("config.expected.integer", "an integer")
+            if spec.type == "integer"
+            else msg("config.expected.number", "a number")
+        )
         bounds = []
         if spec.minimum is not None:
             bounds.append(f">= {_fmt(spec.minimum)}")
@@ -231,28 +282,49 @@ def expected_text(spec: FieldSpec) -> str:
             bounds.append(f"> {_fmt(spec.exclusive_minimum)}")
         if spec.maximum is not None and spec.maximum <= 1e6:
             bounds.append(f"<= {_fmt(spec.maximum)}")
-        text = " and ".join([f"{text} {bounds[0]}", *bounds[1:]]) if bounds else text
+        if len(bounds) == 1:
+            text = msg("config.expected.bound", "{kind} {bound}", kind=text, bound=bounds[0])
+        elif bounds:
+            text = msg(
+                "config.expected.bounds", "{kind} {low} and {high}", kind=text, low=bounds[0], high=bounds[1]
+            )
         if spec.unit:
-            text += f" ({spec.unit})"
-    return text + (" or null" if spec.nullable else "")
+            text = msg("config.expected.unit", "{what} ({unit})", what=text, unit=_unit(spec.unit))
+    return msg("config.expected.or_null", "{what} or null", what=as_message(text)) if spec.nullable else text
+
+
+def _unit(unit: str) -> Text:
+    return msg("config.unit.seconds", "seconds") if unit == "seconds" else unit
 
 
 _UNIT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z/ ]*?)\s*$")
 _TO_MB = {"": 1, "k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
 
 
-def _number_hint(spec: FieldSpec, text: str) -> str:
+def _number_hint(spec: FieldSpec, text: str) -> Message:
     m = _UNIT_RE.match(text)
-    unit = spec.unit or "units"
+    unit = _unit(spec.unit) if spec.unit else msg("config.unit.units", "units")
     if m and not m[2]:
-        return f"remove the quotes: {m[1]}"
+        return msg("config.hint.unquote", "remove the quotes: {value}", value=m[1])
     if m and spec.unit == "MB":
         prefix = m[2].lower().removesuffix("b").removesuffix("i")
         if prefix in _TO_MB and (mb := float(m[1]) * _TO_MB[prefix]).is_integer():
-            return f"write the number of MB, e.g. {int(mb)}"
+            return msg("config.hint.number_of_mb", "write the number of MB, e.g. {value}", value=int(mb))
     if m:
-        return f"write the number of {unit} without the unit, e.g. {m[1]}"
-    return f"write the number of {unit}, e.g. {spec.example}" if spec.example else "write a number"
+        return msg(
+            "config.hint.drop_unit",
+            "write the number of {unit} without the unit, e.g. {value}",
+            unit=as_message(unit),
+            value=m[1],
+        )
+    if spec.example:
+        return msg(
+            "config.hint.number_of",
+            "write the number of {unit}, e.g. {value}",
+            unit=as_message(unit),
+            value=spec.example,
+        )
+    return msg("config.hint.write_number", "write a number")
 
 
 def check_number(spec: FieldSpec, node: Node | None) -> int | float | Fault:
@@ -260,41 +332,62 @@ def check_number(spec: FieldSpec, node: Node | None) -> int | float | Fault:
     expected = expected_text(spec)
     found = describe(node)
     if node is None:
-        return Fault(expected, found, f"add {spec.name}: {spec.example}" if spec.example else "")
+        return Fault(expected, found, _add_hint(spec))
     value = scalar_value(node) if isinstance(node, ScalarNode) else None
     if isinstance(value, str):
         return Fault(expected, found, _number_hint(spec, value))
     if isinstance(value, bool):
-        return Fault(expected, found, "write a number, not true/false")
+        return Fault(expected, found, msg("config.hint.not_bool", "write a number, not true/false"))
     if not isinstance(value, int | float):
         return Fault(expected, found)
     if isinstance(value, float) and not math.isfinite(value):
-        return Fault(expected, found, "write a finite number")
+        return Fault(expected, found, msg("config.hint.finite", "write a finite number"))
     if spec.type == "integer" and isinstance(value, float):
-        whole = f", e.g. {int(value)}" if value.is_integer() else ""
-        return Fault(expected, found, f"write a whole number{whole}")
+        hint = (
+            msg("config.hint.whole_eg", "write a whole number, e.g. {value}", value=int(value))
+            if value.is_integer()
+            else msg("config.hint.whole", "write a whole number")
+        )
+        return Fault(expected, found, hint)
     if (spec.minimum is not None and value < spec.minimum) or (
         spec.exclusive_minimum is not None and value <= spec.exclusive_minimum
     ):
-        return Fault(expected, found, "negative values are refused" if value < 0 else "")
+        return Fault(
+            expected, found, msg("config.hint.negative", "negative values are refused") if value < 0 else ""
+        )
     if spec.maximum is not None and value > spec.maximum:
-        return Fault(f"{expected} and <= {_fmt(spec.maximum)}", found)
+        at_most = msg(
+            "config.expected.at_most",
+            "{what} and <= {max}",
+            what=as_message(expected),
+            max=_fmt(spec.maximum),
+        )
+        return Fault(at_most, found)
     return value
+
+
+def _add_hint(spec: FieldSpec) -> Text:
+    if not spec.example:
+        return ""
+    return msg("config.hint.add", "add {field}: {value}", field=spec.name, value=spec.example)
 
 
 def check_bool(spec: FieldSpec, node: Node | None) -> bool | Fault:
     value = scalar_value(node) if isinstance(node, ScalarNode) else None
     if isinstance(value, bool):
         return value
-    hint = ""
+    hint: Text = ""
     if isinstance(value, str) and value.lower() in ("true", "false"):
-        hint = f"remove the quotes: {value.lower()}"
+        hint = msg("config.hint.unquote", "remove the quotes: {value}", value=value.lower())
     elif isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n"):
-        hint = "YAML 1.1 read yes/no/on/off as booleans, YAML 1.2 and editors do not: write true or false"
+        hint = msg(
+            "config.hint.yaml11_bool",
+            "YAML 1.1 read yes/no/on/off as booleans, YAML 1.2 and editors do not: write true or false",
+        )
     elif isinstance(value, int | float):
-        hint = "write true or false, not a number"
+        hint = msg("config.hint.bool_not_number", "write true or false, not a number")
     elif node is None:
-        hint = f"add {spec.name}: false"
+        hint = msg("config.hint.add", "add {field}: {value}", field=spec.name, value="false")
     return Fault(expected_text(spec), describe(node), hint)
 
 
@@ -305,24 +398,33 @@ def check_str(spec: FieldSpec, node: Node | None) -> str | Fault | None:
     if value is None and spec.nullable and node is not None:
         return None
     if not isinstance(value, str):
-        hint = ""
+        hint: Text = ""
         if isinstance(node, ScalarNode) and isinstance(value, bool | int | float):
-            hint = f'quote it: {spec.name}: "{node.value}"'
+            hint = msg(
+                "config.hint.quote_it", 'quote it: {field}: "{value}"', field=spec.name, value=node.value
+            )
         elif node is None:
-            hint = f"add {spec.name}: {spec.example}" if spec.example else ""
+            hint = _add_hint(spec)
         return Fault(expected, describe(node), hint)
     if spec.enum and value not in spec.enum:
         aliases = VENDOR_ALIASES if spec.name == "device_type" else None
         return Fault(expected, describe(node), suggest(value, [str(v) for v in spec.enum], aliases))
     if spec.min_length and len(value) < spec.min_length:
-        return Fault(expected, "an empty string")
+        return Fault(expected, msg("config.found.empty_string", "an empty string"))
     if spec.name == "name" and not (valid_node_name(value) and NODE_NAME_RE.fullmatch(value)):
-        hint = "a DNS label: lowercase letters, digits and '-', at most 63 characters, e.g. node-a"
+        hint = msg(
+            "config.hint.dns_label",
+            "a DNS label: lowercase letters, digits and '-', at most 63 characters, e.g. node-a",
+        )
         if valid_node_name(value.lower()):
-            hint = f"write it in lowercase: {value.lower()}"
-        return Fault("a node name (DNS label)", describe(node), hint)
+            hint = msg("config.hint.lowercase", "write it in lowercase: {value}", value=value.lower())
+        return Fault(msg("config.expected.node_name", "a node name (DNS label)"), describe(node), hint)
     if spec.name == "address" and not valid_address(value):
-        return Fault("an IP address or a hostname", describe(node), "e.g. 127.0.0.1 or node-a.cluster.local")
+        return Fault(
+            msg("config.expected.address", "an IP address or a hostname"),
+            describe(node),
+            msg("config.hint.address", "e.g. 127.0.0.1 or node-a.cluster.local"),
+        )
     return value
 
 
@@ -360,9 +462,11 @@ class Issue:
     fault: Fault
 
 
-MERGE_HINT = (
-    "YAML merge keys are not supported: write the fields out (or group identical devices with device_ids)"
-)
+def merge_hint() -> Message:
+    return msg(
+        "config.hint.merge_keys",
+        "YAML merge keys are not supported: write the fields out (or group identical devices with device_ids)",
+    )
 
 
 def read_keys(node: Node, specs: tuple[FieldSpec, ...]) -> tuple[dict[str, Node], list[Issue]]:
@@ -376,16 +480,40 @@ def read_keys(node: Node, specs: tuple[FieldSpec, ...]) -> tuple[dict[str, Node]
         line = line_of(key_node)
         if not isinstance(key, str):
             issues.append(
-                Issue(line, "(key)", Fault("a key name", describe(key_node), suggest(str(key), known)))
+                Issue(
+                    line,
+                    "(key)",
+                    Fault(
+                        msg("config.expected.key_name", "a key name"),
+                        describe(key_node),
+                        suggest(str(key), known),
+                    ),
+                )
             )
         elif key in first_line:
-            found = f"'{key}' again (first on line {first_line[key]})"
-            issues.append(Issue(line, key, Fault("each key once", found, "remove one of them")))
+            found = msg(
+                "config.found.key_again",
+                "'{key}' again (first on line {first})",
+                key=key,
+                first=first_line[key],
+            )
+            issues.append(Issue(line, key, Fault(each_once(), found, remove_one())))
         elif key not in known:
-            hint = MERGE_HINT if key == "<<" else suggest(key, known, KEY_ALIASES)
-            issues.append(Issue(line, key, Fault("a known key", f"unknown key '{key}'", hint)))
+            hint = merge_hint() if key == "<<" else suggest(key, known, KEY_ALIASES)
+            unknown = msg("config.found.unknown_key", "unknown key '{key}'", key=key)
+            issues.append(
+                Issue(line, key, Fault(msg("config.expected.known_key", "a known key"), unknown, hint))
+            )
             first_line[key] = line
         else:
             keys[key] = value_node
             first_line[key] = line
     return keys, issues
+
+
+def each_once() -> Message:
+    return msg("config.expected.key_once", "each key once")
+
+
+def remove_one() -> Message:
+    return msg("config.hint.remove_one", "remove one of them")

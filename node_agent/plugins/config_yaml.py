@@ -24,6 +24,8 @@ from yaml.resolver import BaseResolver
 from yaml.scanner import Scanner, ScannerError
 from yaml.tokens import Token
 
+from kunlun_common.messages import Message, msg
+
 __all__ = [
     "MappingNode",
     "Node",
@@ -202,22 +204,37 @@ def render(node: Node, limit: int = 80) -> str:
     return "".join(out)
 
 
-def describe(node: Node | None) -> str:
+def describe(node: Node | None) -> Message:
     """What a value is, for the `found` part of a problem: 'integer -1', 'string "32GB"', 'a list [...]'."""
     if node is None:
-        return "nothing (the key is missing)"
+        return msg("config.found.missing", "nothing (the key is missing)")
     if isinstance(node, ScalarNode):
         value = scalar_value(node)
         if value is None:
-            return "null"
+            return msg("config.found.null", "null")
         if isinstance(value, Unsupported) and value.tag == INVALID_UNICODE:
-            return f"text with a lone UTF-16 surrogate (not Unicode): {value.text[:60]!r}"
+            return msg(
+                "config.found.surrogate",
+                "text with a lone UTF-16 surrogate (not Unicode): {text}",
+                text=repr(value.text[:60]),
+            )
         if isinstance(value, Unsupported):
-            return f"a value tagged {value.tag}: {value.text[:60]!r}"
-        kind = {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]
-        return f"{kind} {_render_scalar(value)[:80]}"
+            return msg(
+                "config.found.tagged",
+                "a value tagged {tag}: {text}",
+                tag=value.tag,
+                text=repr(value.text[:60]),
+            )
+        shown = _render_scalar(value)[:80]
+        if isinstance(value, bool):
+            return msg("config.found.boolean", "boolean {value}", value=shown)
+        if isinstance(value, int):
+            return msg("config.found.integer", "integer {value}", value=shown)
+        if isinstance(value, float):
+            return msg("config.found.number", "number {value}", value=shown)
+        return msg("config.found.string", "string {value}", value=shown)
     if node.tag not in (MAP_TAG, SEQ_TAG):
-        return f"a collection tagged {node.tag}"
+        return msg("config.found.tagged_collection", "a collection tagged {tag}", tag=node.tag)
     if isinstance(node, SequenceNode):
-        return f"a list {render(node)}"
-    return f"a mapping {render(node)}"
+        return msg("config.found.list", "a list {value}", value=render(node))
+    return msg("config.found.mapping", "a mapping {value}", value=render(node))
