@@ -11,6 +11,7 @@ from controlplane.scheduler import (
     GraphSnapshot,
     NodeView,
     PendingInstance,
+    PlanBuilder,
     SchedulerConfig,
     schedule,
 )
@@ -21,10 +22,20 @@ from controlplane.scheduler.filters import (
     Requirement,
     RequirementInputs,
     Scope,
+    condition_failures,
     requirement_key,
 )
 from controlplane.scheduler.model import Placement, Unplaced, WorkloadReq
-from controlplane.scheduler.scores import SCORES, ScoreScope, device_part, node_part, profile_part
+from controlplane.scheduler.scores import (
+    SCORES,
+    ScoreScope,
+    coolness,
+    device_part,
+    device_parts,
+    idle_share,
+    node_part,
+    profile_part,
+)
 
 CONFIG = SchedulerConfig()
 
@@ -149,3 +160,54 @@ def test_sglang_without_a_device_type_is_kept_off_devices_it_cannot_run_on() -> 
     # with an NVIDIA node as well, SGLang goes there even though Iluvatar is free
     plan = schedule(GraphSnapshot((ilu, nv), 1), pending[:1], [], CONFIG, 0.0)
     assert [p.devices for p in plan.placements] == [("node-n/nvidia:0",)]
+
+
+def test_a_node_s_conditions_and_device_scores_follow_the_tables() -> None:
+    # the index asks once per node; the answer is the tables' own, device by device
+    conditions = [(pos, f) for pos, f in enumerate(DEVICE_FILTERS) if f.depends is Depends.CONDITION]
+    assert len(conditions) >= 2
+    devices = (
+        device("node-a", 0),
+        device("node-a", 1, status="Unhealthy", utilization_pct=20.0, temperature_c=99.0),  # the first fails
+        device("node-a", 2, temperature_c=99.0),  # only the second
+        device("node-a", 3, utilization_pct=80.0, temperature_c=70.0),
+    )
+    expected = []
+    for d in devices:
+        failing = [pos for pos, f in conditions if f.check(d, CONFIG) is not None]
+        expected.append(failing[0] if failing else None)
+    assert expected == [None, conditions[0][0], conditions[1][0], None]
+    assert condition_failures(devices, CONFIG) == expected
+    assert condition_failures((), CONFIG) == []
+    total = [sum(s.weight * s.fn(d, CONFIG) for s in SCORES if s.scope is ScoreScope.DEVICE) for d in devices]
+    assert device_parts(devices, CONFIG) == [device_part(d, CONFIG) for d in devices] == total
+    assert len(set(total)) == len(total)
+
+
+def test_device_score_shares_clamp_to_0_1_like_min_max() -> None:
+    # idle_share and coolness clamp with comparisons (they run on every device of every snapshot)
+    nan, inf = float("nan"), float("inf")
+    limit = CONFIG.temperature_limit_c
+    for util in (nan, -inf, -50.0, -0.0, 0.0, 0.5, 37.5, 99.999, 100.0, 100.5, 250.0, inf):
+        d = device("node-a", 0, utilization_pct=util)
+        assert repr(idle_share(d, CONFIG)) == repr(min(1.0, max(0.0, 1.0 - util / 100.0))), util
+    for temp in (nan, -inf, -40.0, 0.0, limit - 31, limit - 30, limit - 12.5, limit, limit + 0.5, inf):
+        d = device("node-a", 0, temperature_c=temp)
+        want = min(1.0, max(0.0, (limit - temp) / 30.0))
+        assert repr(coolness(d, CONFIG)) == repr(want), temp
+
+
+def test_instances_of_one_requirement_share_one_workload_class() -> None:
+    # the planner looks a workload record up by identity first; equal requirements still share
+    node = NodeView("node-a", True, False, (device("node-a", 0),))
+    builder = PlanBuilder(GraphSnapshot((node,), 1), [], CONFIG)
+    w = workload()
+    first = builder.workload_class(PendingInstance("a", w, 0.0, 0))
+    assert builder.workload_class(PendingInstance("b", w, 0.0, 1)) is first
+    assert (
+        builder.workload_class(PendingInstance("c", replace(w, workload_id="x", priority="low"), 0.0, 2))
+        is first
+    )
+    other = builder.workload_class(PendingInstance("d", replace(w, dtype="bf16"), 0.0, 3))
+    assert other is not first and other.req == Requirement.of(replace(w, dtype="bf16"))
+    assert builder.workload_class(PendingInstance("e", w, 0.0, 4)) is first

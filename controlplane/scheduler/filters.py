@@ -25,7 +25,7 @@ A new filter: write its check, add one line to `FILTERS` at the stage it belongs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -62,6 +62,7 @@ __all__ = [
     "Requirement",
     "RequirementInputs",
     "Scope",
+    "condition_failures",
     "filter_node",
     "parse_pin",
     "requirement_key",
@@ -148,9 +149,14 @@ def memory(device: DeviceView, req: Requirement) -> str | None:
     return None
 
 
+_READY = DeviceState.READY
+"""Looked up once: `DeviceState.READY` is a descriptor call on the enum class (0.1-0.2 us on 3.11),
+and `device_ready` runs for every device of every snapshot."""
+
+
 def device_ready(device: DeviceView, config: SchedulerConfig) -> str | None:
     """DeviceNotReady unless the device's status is Ready."""
-    return None if device.status == DeviceState.READY else DEVICE_NOT_READY
+    return None if device.status == _READY else DEVICE_NOT_READY
 
 
 def temperature(device: DeviceView, config: SchedulerConfig) -> str | None:
@@ -281,6 +287,19 @@ DEVICE_FILTERS = tuple(f for f in FILTERS if f.scope is Scope.DEVICE)
 GROUP_FILTERS = tuple(f for f in FILTERS if f.scope is Scope.GROUP)
 CONDITIONS = tuple((pos, f.check) for pos, f in enumerate(DEVICE_FILTERS) if f.depends is Depends.CONDITION)
 """(stage, check) of the condition filters, in order."""
+
+
+def condition_failures(devices: Sequence[DeviceView], config: SchedulerConfig) -> list[int | None]:
+    """Per device, the stage of its first failing condition filter, else None.
+
+    One call per node (the index), filter by filter over the devices still passing, so that each
+    device costs only the checks themselves; a device is not checked past its first failure."""
+    failed: list[int | None] = [None] * len(devices)
+    for stage, check in CONDITIONS:
+        for i, device in enumerate(devices):
+            if failed[i] is None and check(device, config) is not None:
+                failed[i] = stage
+    return failed
 
 
 def filter_node(node: NodeView, config: SchedulerConfig) -> str | None:

@@ -23,9 +23,9 @@ from math import comb
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from controlplane.scheduler.config import SchedulerConfig
-from controlplane.scheduler.filters import CONDITIONS, filter_node
+from controlplane.scheduler.filters import condition_failures, filter_node
 from controlplane.scheduler.model import DeviceView, GraphSnapshot, NodeView
-from controlplane.scheduler.scores import device_part, is_busy, node_part, set_distance, tflops
+from controlplane.scheduler.scores import device_parts, is_busy, node_part, set_distance, tflops
 
 
 class Key(NamedTuple):
@@ -51,6 +51,10 @@ class Candidate(NamedTuple):
     key: Key
     slots: tuple[Slot, ...]
 
+
+RawKey = tuple[int, int, int, float, str, tuple[int, ...]]
+"""The fields of a `Key` in a plain tuple: the profile pools' keys (refreshed on every take, and a
+plain tuple costs far less to build and free than a named one)."""
 
 new_tuple = tuple.__new__
 """`new_tuple(Key, (...))` builds a Key (or a Candidate) without the Python-level `__new__` of
@@ -86,15 +90,16 @@ class Slot:
         pos: int,
         profile: Profile,
         schedulable: bool,
-        config: SchedulerConfig,
+        busy_above: float,
+        score: float,
     ) -> None:
         self.device = device
         self.node_idx = node_idx
         self.pos = pos
         self.profile = profile
         self.schedulable = schedulable
-        self.busy = int(is_busy(device.utilization_pct, config.min_gpu_utilization_threshold))
-        self.score = device_part(device, config)
+        self.busy = int(is_busy(device.utilization_pct, busy_above))
+        self.score = score
         self.allocated = device.allocated_to is not None
         self.taken = False
 
@@ -149,12 +154,15 @@ class ClusterIndex:
         rows_ids: dict[tuple[tuple[int, ...], ...], int] = {}
         best = dict.fromkeys(METRICS, 0.0)
         schedulable: dict[int, dict[int, list[Slot]]] = {}
-        conditions = CONDITIONS
+        busy_above = config.min_gpu_utilization_threshold
         for idx, node in enumerate(snapshot.nodes):
             entry = NodeEntry(node, idx, config)
             entry.rows_id = rows_ids.setdefault(entry.rows, len(rows_ids))
             node_ok = entry.reason is None
             grouped: dict[tuple[int, int | None], list[Slot]] = {}
+            # the condition filters and device scores of the whole node, table line by line
+            failures = condition_failures(node.devices, config)
+            scores = device_parts(node.devices, config)
             for pos, dev in enumerate(node.devices):
                 pkey = (
                     dev.device_type,
@@ -173,12 +181,8 @@ class ClusterIndex:
                     self.profiles.append(profile)
                     for metric in METRICS:
                         best[metric] = max(best[metric], tflops(dev, metric))
-                failed = None  # the stage of its first failing condition filter (filters.condition_failure)
-                for stage, check in conditions:
-                    if check(dev, config) is not None:
-                        failed = stage
-                        break
-                slot = Slot(dev, idx, pos, profile, node_ok and failed is None, config)
+                failed = failures[pos]  # the stage of its first failing condition filter, or None
+                slot = Slot(dev, idx, pos, profile, node_ok and failed is None, busy_above, scores[pos])
                 entry.slots.append(slot)
                 self.slots_by_name[dev.name] = slot
                 if slot.schedulable:
@@ -192,7 +196,7 @@ class ClusterIndex:
             self.nodes.append(entry)
         self.best_tflops = best
         self.max_node_devices = max((len(n.slots) for n in self.nodes), default=0)
-        self._profile_pools: dict[int, LazyPool[Key, tuple[Slot, ...]]] = {}
+        self._profile_pools: dict[int, LazyPool[RawKey, tuple[Slot, ...]]] = {}
         self._schedulable = schedulable
         self._subsets: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
 
@@ -230,7 +234,7 @@ class ClusterIndex:
             self._subsets[key] = table
         return table
 
-    def profile_pool(self, profile: Profile) -> LazyPool[Key, tuple[Slot, ...]]:
+    def profile_pool(self, profile: Profile) -> LazyPool[RawKey, tuple[Slot, ...]]:
         """The pool of the best free schedulable device of `profile` per node (built on first use).
 
         Its keys carry type rank 0 and no compute score: both are constant within a profile, so a
@@ -242,13 +246,14 @@ class ClusterIndex:
             self._profile_pools[profile.pid] = pool
         return pool
 
-    def _build_profile_pool(self, profile: Profile) -> LazyPool[Key, tuple[Slot, ...]]:
+    def _build_profile_pool(self, profile: Profile) -> LazyPool[RawKey, tuple[Slot, ...]]:
         ranked = self._schedulable.get(profile.pid, {})
         for slots in ranked.values():
             slots.sort(key=lambda s: (s.busy, -s.score, s.pos))
         cursor = dict.fromkeys(ranked, 0)
+        nodes, max_devices, config = self.nodes, self.max_node_devices, self.config
 
-        def best_on(idx: int) -> Candidate | None:
+        def best_on(idx: int) -> tuple[RawKey, tuple[Slot, ...]] | None:  # on every take: plain tuples
             slots = ranked[idx]
             i = cursor[idx]
             while i < len(slots) and not slots[i].free:
@@ -257,10 +262,9 @@ class ClusterIndex:
             if i == len(slots):
                 return None
             slot = slots[i]
-            entry = self.nodes[idx]
-            score = self.node_score(entry) + slot.score
-            key = new_tuple(Key, (slot.busy, 0, 0, -score, entry.name, (slot.pos,)))
-            return new_tuple(Candidate, (key, (slot,)))
+            entry = nodes[idx]
+            score = node_part(entry.free_count, max_devices, config) + slot.score
+            return (slot.busy, 0, 0, -score, entry.name, (slot.pos,)), (slot,)
 
         return LazyPool(self, ranked, best_on)
 

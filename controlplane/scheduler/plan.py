@@ -33,6 +33,7 @@ from controlplane.scheduler.model import (
     Plan,
     RunningInstance,
     Unplaced,
+    WorkloadReq,
 )
 from controlplane.scheduler.queue import order_pending
 from controlplane.scheduler.requirement import Requirement, RequirementInputs, requirement_key
@@ -88,14 +89,13 @@ class WorkloadClass:
         self.reasons: Mapping[str, str] = MappingProxyType({})
         self._eligible_slots: frozenset[Slot] | None = None
 
-    def best(self) -> Candidate | None:
-        """The best free candidate in the whole graph, or None."""
+    def best(self) -> tuple[Key, tuple[Slot, ...]] | None:
+        """The best free candidate (key, devices) in the whole graph, or None."""
         if not self.single:
             if self._pool is None:
                 self.analyze()
                 self._pool = LazyPool(self.index, list(self.eligible), self.evaluate)
-            top = self._pool.top()
-            return None if top is None else new_tuple(Candidate, top)
+            return self._pool.top()
         best: tuple[tuple[int, int, int, float, str, tuple[int, ...]], tuple[Slot, ...]] | None = None
         for pool, rank, compute in self._single_profiles:
             found = pool.top()
@@ -104,7 +104,7 @@ class WorkloadClass:
                 key = (busy, rank, dist, neg_score - compute, name, positions)  # plain: the hot path
                 if best is None or key < best[0]:
                     best = key, slots
-        return None if best is None else new_tuple(Candidate, (new_tuple(Key, best[0]), best[1]))
+        return None if best is None else (new_tuple(Key, best[0]), best[1])  # a plain pair: once per decision
 
     def evaluate(self, idx: int, extra: frozenset[Slot] = frozenset()) -> Candidate | None:
         """Best device set on node `idx` from its free eligible devices plus `extra` (victims')."""
@@ -270,6 +270,7 @@ class PlanBuilder:
         self.index = ClusterIndex(snapshot, config)
         self.config = config
         self._classes: dict[tuple[object, ...], WorkloadClass] = {}
+        self._by_workload: dict[int, tuple[WorkloadReq, WorkloadClass]] = {}
         self._preemptors = frozenset(PRIORITY_RANK[p] for p in config.preemption_enabled_for)
         self._evicted: set[str] = set()
         # Per node, running instances in eviction order with their devices on that node.
@@ -290,11 +291,16 @@ class PlanBuilder:
 
     def workload_class(self, inst: PendingInstance) -> WorkloadClass:
         """The shared per-requirement state for `inst`."""
-        key = requirement_key(inst.workload)
+        workload = inst.workload
+        seen = self._by_workload.get(id(workload))  # instances of one workload share its record
+        if seen is not None and seen[0] is workload:
+            return seen[1]
+        key = requirement_key(workload)
         cls = self._classes.get(key)
         if cls is None:
             cls = WorkloadClass(self.index, Requirement.from_inputs(RequirementInputs._make(key)))
             self._classes[key] = cls
+        self._by_workload[id(workload)] = (workload, cls)  # holds the record: its id stays its own
         return cls
 
     def decide(self, inst: PendingInstance) -> Placement | Unplaced:
@@ -318,7 +324,9 @@ class PlanBuilder:
         cls.analyze()
         return Unplaced(inst.instance_id, cls.reasons)
 
-    def _take(self, inst: PendingInstance, found: Candidate, victims: Sequence[RunningInstance]) -> Placement:
+    def _take(
+        self, inst: PendingInstance, found: tuple[Key, tuple[Slot, ...]], victims: Sequence[RunningInstance]
+    ) -> Placement:
         key, slots = found
         index = self.index
         touched = set()
