@@ -252,6 +252,10 @@ class LocalCluster:
             self.start_agent(cfg, node)
         for node in self.agents:
             wait_for(lambda n=node: self.node_ready(n), timeout, f"node {node} to register")
+        # a node registered again over its earlier record (`make demo` after `make down`) is Ready
+        # before its devices are: wait for those too, so that what is printed next is current
+        for node in self.agents:
+            wait_for(lambda n=node: self.devices_available(n), timeout, f"node {node}'s devices")
 
     def gateway_argv(self, name: str, address: str) -> list[str]:
         return [
@@ -371,6 +375,17 @@ class LocalCluster:
         resp = self.call_any("ListNodes", cluster_pb2.ListNodesRequest())
         assert isinstance(resp, cluster_pb2.ListNodesResponse)
         return any(n.name == node and n.ready for n in resp.nodes)
+
+    def devices_available(self, node: str) -> bool:
+        """Whether `node` is Ready and none of its devices is still Unavailable."""
+        resp = self.call_any("ListNodes", cluster_pb2.ListNodesRequest())
+        assert isinstance(resp, cluster_pb2.ListNodesResponse)
+        return any(
+            n.name == node
+            and n.ready
+            and all(d.status != types_pb2.DEVICE_STATUS_UNAVAILABLE for d in n.devices)
+            for n in resp.nodes
+        )
 
     def leader(self) -> str:
         resp = self.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest())
