@@ -44,6 +44,12 @@ def encode_status(node: str, st: agent_pb2.InstanceStatus) -> bytes:
     )
 
 
+def _node_reason(inst: workload_pb2.Instance, reason: str) -> None:
+    """A reason the node reports replaces the scheduler's, and its message with it (shown as is)."""
+    if reason != inst.reason:
+        inst.reason, inst.reason_message = reason, ""
+
+
 def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus) -> None:
     """Put what the node observed onto the instance record (only for its current placement)."""
     if node != inst.node or inst.phase not in PLACED:
@@ -52,9 +58,9 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     if st.phase and st.phase != InstancePhase.PENDING:
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
-            inst.reason = st.reason or inst.reason
+            _node_reason(inst, st.reason or inst.reason)
     elif st.phase == InstancePhase.PENDING and st.reason.startswith(NODE_PENDING_REASONS):
-        inst.reason = st.reason  # the node waits for a device, or pulls/verifies the model package
+        _node_reason(inst, st.reason)  # the node waits for a device, or pulls/verifies the model package
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts

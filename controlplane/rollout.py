@@ -39,6 +39,7 @@ from controlplane.workloads.records import add_history
 from kunlun_common.api import gateway_pb2, rollout_pb2, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import TemporaryError
+from kunlun_common.messages import Message, from_stored, msg, msg_list, plain, stored_reason, to_stored
 from kunlun_common.states import RolloutPhase, Verdict, WorkloadChange
 from kunlun_common.traffic import quantile_ms
 
@@ -69,11 +70,20 @@ def live_rollout(r: rollout_pb2.Rollout | None) -> bool:
     return r is not None and r.phase == RolloutPhase.PROGRESSING and r.weight_pct > 0
 
 
-def _event(r: rollout_pb2.Rollout, phase: str, by: str, reason: str) -> None:
+def _event(r: rollout_pb2.Rollout, phase: str, by: str, reason: Message) -> None:
     r.phase = phase
-    r.reason = reason
-    r.history.append(workload_pb2.PhaseEvent(phase=phase, at_unix_ms=now_ms(), by=by, reason=reason))
+    r.reason, r.reason_message = str(reason), to_stored(reason)
+    r.history.append(
+        workload_pb2.PhaseEvent(
+            phase=phase, at_unix_ms=now_ms(), by=by, reason=r.reason, reason_message=r.reason_message
+        )
+    )
     del r.history[:-50]
+
+
+def _analysis_reason(a: rollout_pb2.RolloutAnalysis) -> Message:
+    """An analysis' reason as the message it was made with (its English text as is otherwise)."""
+    return from_stored(a.reason_message, a.reason) or plain(a.reason)
 
 
 class Totals:
@@ -151,26 +161,79 @@ def analyse(
     missing = max(0, min_req - c.requests) + (max(0, min_req - b.requests) if with_baseline else 0)
     if missing:
         a.verdict = Verdict.WAITING
-        seen = f"canary {c.requests}" + (f", baseline {b.requests}" if with_baseline else "")
-        a.reason = f"waiting for {missing} requests ({seen}; {min_req} each needed)"
+        m = (
+            msg(
+                "rollout.waiting_both",
+                "waiting for {missing} requests (canary {canary}, baseline {baseline}; {min_req} each needed)",
+                missing=missing,
+                canary=c.requests,
+                baseline=b.requests,
+                min_req=min_req,
+            )
+            if with_baseline
+            else msg(
+                "rollout.waiting",
+                "waiting for {missing} requests (canary {canary}; {min_req} each needed)",
+                missing=missing,
+                canary=c.requests,
+                min_req=min_req,
+            )
+        )
+        a.reason, a.reason_message = str(m), to_stored(m)
         return a
-    failed = []
+    failed: list[Message] = []
     if c.error_rate >= max_err:
         failed.append(
-            f"canary error rate {c.error_rate:.2%} ({c.errors}/{c.requests}) >= max {max_err:.2%}"
-            + (f" (baseline {b.error_rate:.2%})" if with_baseline else "")
+            msg(
+                "rollout.error_rate_failed_baseline",
+                "canary error rate {rate:.2%} ({errors}/{requests}) >= max {max_err:.2%} (baseline {base_rate:.2%})",
+                rate=c.error_rate,
+                errors=c.errors,
+                requests=c.requests,
+                max_err=max_err,
+                base_rate=b.error_rate,
+            )
+            if with_baseline
+            else msg(
+                "rollout.error_rate_failed",
+                "canary error rate {rate:.2%} ({errors}/{requests}) >= max {max_err:.2%}",
+                rate=c.error_rate,
+                errors=c.errors,
+                requests=c.requests,
+                max_err=max_err,
+            )
         )
     delta = c.p95_ms - b.p95_ms
     if with_baseline and delta > b.p95_ms * max_inc and delta >= floor:
         failed.append(
-            f"canary p95 {c.p95_ms:g} ms is {a.p95_deviation:+.1%} vs baseline {b.p95_ms:g} ms "
-            f"(max +{max_inc:.1%}, differences under {floor:g} ms ignored)"
+            msg(
+                "rollout.p95_failed",
+                "canary p95 {p95:g} ms is {deviation:+.1%} vs baseline {base_p95:g} ms "
+                "(max +{max_inc:.1%}, differences under {floor:g} ms ignored)",
+                p95=c.p95_ms,
+                deviation=a.p95_deviation,
+                base_p95=b.p95_ms,
+                max_inc=max_inc,
+                floor=floor,
+            )
         )
     a.verdict = Verdict.FAILED if failed else Verdict.PASSED
-    a.reason = "; ".join(failed) or (
-        f"canary error rate {c.error_rate:.2%}, p95 {c.p95_ms:g} ms"
-        + (f" (baseline {b.error_rate:.2%}, {b.p95_ms:g} ms)" if with_baseline else "")
-    )
+    if failed:
+        m = msg_list("rollout.failed", "{parts}", failed, bullet="", sep="; ")
+    elif with_baseline:
+        m = msg(
+            "rollout.passed_baseline",
+            "canary error rate {rate:.2%}, p95 {p95:g} ms (baseline {base_rate:.2%}, {base_p95:g} ms)",
+            rate=c.error_rate,
+            p95=c.p95_ms,
+            base_rate=b.error_rate,
+            base_p95=b.p95_ms,
+        )
+    else:
+        m = msg(
+            "rollout.passed", "canary error rate {rate:.2%}, p95 {p95:g} ms", rate=c.error_rate, p95=c.p95_ms
+        )
+    a.reason, a.reason_message = str(m), to_stored(m)
     return a
 
 
@@ -195,17 +258,22 @@ def advance(
     new.CopyFrom(r)
     if r.abort_requested:
         new.weight_pct = 0
-        _event(new, RolloutPhase.ABORTED, by, "aborted on request; canary removed, baseline untouched")
+        _event(
+            new,
+            RolloutPhase.ABORTED,
+            by,
+            msg("rollout.aborted", "aborted on request; canary removed, baseline untouched"),
+        )
         return new
     steps = steps_of(r.spec)
     interval_ms = (r.spec.interval_s or DEFAULT_INTERVAL_S) * 1000
-    reason = ""
+    reason: Message | None = None
     promoting = r.promotions_requested > r.promotions_applied
     if promoting:
-        reason = "promoted"
+        reason = msg("rollout.promoted", "promoted")
     elif r.spec.steps and now - r.step_started_at_unix_ms >= interval_ms:
-        reason = f"interval of {interval_ms // 1000}s elapsed"
-    if not reason:
+        reason = msg("rollout.interval", "interval of {seconds}s elapsed", seconds=interval_ms // 1000)
+    if reason is None:
         return None
     a = step_analysis(r, stats or [], now)
     new.last_analysis.CopyFrom(a)
@@ -215,25 +283,50 @@ def advance(
             new,
             RolloutPhase.DEGRADED,
             by,
-            f"analysis failed at step {r.step + 1}: {a.reason}; canary removed, baseline untouched",
+            msg(
+                "rollout.degraded",
+                "analysis failed at step {step}: {analysis}; canary removed, baseline untouched",
+                step=r.step + 1,
+                analysis=_analysis_reason(a),
+            ),
         )
         return new
     if a.verdict == Verdict.WAITING:
         if not promoting:
             if r.reason == a.reason:
                 return None
-            new.reason = a.reason
+            new.reason, new.reason_message = a.reason, a.reason_message
             return new
-        reason += f" (analysis incomplete: {a.reason})"
+        reason = msg(
+            "rollout.incomplete",
+            "{why} (analysis incomplete: {analysis})",
+            why=reason,
+            analysis=_analysis_reason(a),
+        )
     else:
-        reason += f", analysis passed ({a.reason})"
+        reason = msg(
+            "rollout.analysis_passed",
+            "{why}, analysis passed ({analysis})",
+            why=reason,
+            analysis=_analysis_reason(a),
+        )
     if promoting:
         new.promotions_applied = r.promotions_applied + 1
     del new.step_start_stats[:]
     new.step_start_stats.extend(stats or [])
     if r.step + 1 >= len(steps) or r.weight_pct >= 100:
         new.weight_pct = 0
-        _event(new, RolloutPhase.COMPLETED, by, f"{reason}; {r.spec.model} is the workload's model now")
+        _event(
+            new,
+            RolloutPhase.COMPLETED,
+            by,
+            msg(
+                "rollout.completed",
+                "{why}; {model} is the workload's model now",
+                why=reason,
+                model=r.spec.model,
+            ),
+        )
         return new
     new.step = r.step + 1
     new.weight_pct = steps[new.step]
@@ -242,7 +335,14 @@ def advance(
         new,
         RolloutPhase.PROGRESSING,
         by,
-        f"{reason}: step {new.step + 1}/{len(steps)}, canary weight {new.weight_pct}%",
+        msg(
+            "rollout.next_step",
+            "{why}: step {step}/{steps}, canary weight {weight_pct}%",
+            why=reason,
+            step=new.step + 1,
+            steps=len(steps),
+            weight_pct=new.weight_pct,
+        ),
     )
     return new
 
@@ -260,7 +360,15 @@ def completed_workload(w: workload_pb2.Workload, r: rollout_pb2.Rollout, by: str
             phase=WorkloadChange.UPDATED,
             at_unix_ms=now_ms(),
             by=by,
-            reason=f"rollout completed: model {r.baseline_model} -> {r.spec.model}; generation {new.generation}",
+            **stored_reason(
+                msg(
+                    "rollout.workload_updated",
+                    "rollout completed: model {baseline} -> {model}; generation {generation}",
+                    baseline=r.baseline_model,
+                    model=r.spec.model,
+                    generation=new.generation,
+                )
+            ),
         ),
     )
     return new

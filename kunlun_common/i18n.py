@@ -10,7 +10,10 @@ corrupt catalog means English, never a failure.
 What is translated: the CLI's help, messages and errors, the errors replicas send with a
 message id (kunlun_common/messages.py), and the start-up errors kunlun-platform, kunlun-agent and
 kunlun-gateway print (their settings and flag validators raise them with message ids), and each
-problem of a device-plugin config (node_agent/plugins/config.py). What is not: `-o json` output, table columns and values,
+problem of a device-plugin config (node_agent/plugins/config.py), kunlun-cli verify's measured values,
+thresholds and evidence descriptions (report.md too), the describe commands' field labels, and the
+reasons replicas store on instances and rollouts with a message beside them (`reason_message`,
+kunlun_common/messages.py `to_stored`). What is not: `-o json` output, table columns and values,
 and log event names (scripts and log pipelines read them).
 
 Mark a user-facing string with `_()` (or `ngettext`, `pgettext`) at the point of use, never at

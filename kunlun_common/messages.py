@@ -9,6 +9,10 @@ metadata), which `from_metadata` reads back on the client. The client translates
 context ID and the template as msgid (`pgettext(ID, TEMPLATE)`), then formats with the args; with no
 translation, or a template its catalog does not know (another version), it shows the English details.
 
+A reason the replica stores on a record (an instance's, a rollout's) travels the same way at rest:
+`reason` is the English text, `reason_message` the message as JSON (`to_stored`), which a client reads
+back with `from_stored` only while its English text still equals `reason`.
+
 The catalogs (kunlun_common/locale) hold these as entries with `msgctxt ID`; scripts/i18n.py finds
 every `msg(...)` call by an AST scan, and a test checks that each has a translation.
 """
@@ -64,9 +68,9 @@ class Message:
         return render(self.template, self.values(each), fallback=self.template)
 
     def values(self, each: Callable[[Message], str]) -> dict[str, Param]:
-        """The params, plus `parts` (each part shown by `each`) when this message lists some."""
+        """The params, plus `parts` (each part shown by `each`; empty when the list is)."""
         out: dict[str, Param] = {**self.params, **{k: each(m) for k, m in self.named.items()}}
-        if self.parts:
+        if self.parts or "parts" not in out:
             out["parts"] = self.sep.join(self.bullet + each(p) for p in self.parts)
         return out
 
@@ -136,6 +140,29 @@ def render(template: str, params: Mapping[str, Any], fallback: str) -> str:
         return template.format(**params)
     except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         return fallback
+
+
+def to_stored(m: Message) -> str:
+    """The message as a record field (`reason_message` beside a stored `reason`): JSON of its id,
+    template and args (ASCII, compact)."""
+    return json.dumps(m.to_json(), ensure_ascii=True, separators=(",", ":"))
+
+
+def stored_reason(m: Message) -> dict[str, str]:
+    """`reason` and `reason_message` of a record (a PhaseEvent's keyword arguments)."""
+    return {"reason": str(m), "reason_message": to_stored(m)}
+
+
+def from_stored(text: str, english: str) -> Message | None:
+    """The message of a stored `reason_message`, when it is one and its English text is `english`
+    (the stored `reason`): a reason another writer replaced without its message stays English."""
+    if not text:
+        return None
+    try:
+        m = _from_json(json.loads(text))
+    except (ValueError, TypeError):
+        return None
+    return m if m is not None and str(m) == english else None
 
 
 def from_metadata(metadata: Iterable[Any] | None) -> Message | None:

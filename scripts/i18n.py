@@ -107,6 +107,29 @@ where the layers make them (report.json keeps them in English) and are translate
 shown (`kunlun_common.i18n.translate`); `verify_texts` extracts them by their place: the name and
 note of `result.add(NAME, ..., note=NOTE)`, the title and `skipped=` of `LayerResult(N, TITLE)`, and
 the values of the TITLES table, and the label of `sampler.mark(LABEL)` (a moment on a picture)."""
+VERIFY_SHOWN = {"add": (1, 2), "evidence": (0, 1), "poll": (0,)}
+"""kunlun-cli verify: what is shown of a checkpoint (`result.add(NAME, MEASURED, THRESHOLD, ...)`), of
+its evidence (`evidence(COMMAND, OUTPUT)`) and of a wait (`poll(WHAT, ...)`), by argument index: a
+text with words there must be a message (`msg(...)`, translated where it is shown; report.json keeps
+its English text), as must every text appended to a list of problems (`bad`, `problems`, `lines`,
+`log`). An evidence command that is only a command (`kunlun-cli ...`, `POST ...`, an RPC's name,
+without a description in parentheses or a `, N concurrent`) is shown as it is."""
+VERIFY_LISTS = ("bad", "problems", "lines", "log", "cleanup")
+_COMMAND = re.compile(r"^(kunlun-cli |POST |kunlun\.v1\.)[^(,]*$")
+REASON_MODULES = (
+    "controlplane/scheduler/actions.py",
+    "controlplane/scheduler/reconcile.py",
+    "controlplane/scheduler/rolling.py",
+    "controlplane/rollout.py",
+    "controlplane/workloads/rollouts.py",
+    "controlplane/feeds.py",
+)
+"""Where the replica writes the reasons it stores on instances and rollouts (and their history
+events): each is a message (`reason_message` beside the English `reason`), which kunlun-cli shows
+in its reader's language. A text given as a reason (the `reason` argument of `event`,
+`release_instance`, `retire_instance`, `_event`, a `reason=` keyword, an assignment to `reason` or
+`.reason`, a check appended to `failed`) must be a `msg(...)`."""
+REASON_ARGS = {"event": 3, "release_instance": 4, "retire_instance": 3, "_event": 3}
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
@@ -296,6 +319,62 @@ def verify_texts(root: Path = ROOT) -> list[Found]:
     return out
 
 
+def _verify_sinks(node: ast.AST) -> list[ast.expr]:
+    """The shown texts of a verify module (VERIFY_SHOWN, VERIFY_LISTS), besides kunlun-cli's own."""
+    if not isinstance(node, ast.Call):
+        return []
+    name = _name(node.func)
+    if name == "append" and isinstance(node.func, ast.Attribute):
+        target = node.func.value
+        target_name = _name(target) if isinstance(target, ast.Name | ast.Attribute) else ""
+        return list(node.args[:1]) if target_name in VERIFY_LISTS else []
+    if name == "extend" and isinstance(node.func, ast.Attribute) and _name(node.func.value) in VERIFY_LISTS:
+        arg = node.args[0] if node.args else None
+        return [arg.elt] if isinstance(arg, ast.GeneratorExp | ast.ListComp) else []
+    if name not in VERIFY_SHOWN or (name == "add" and not isinstance(node.func, ast.Attribute)):
+        return []
+    if name == "add" and len(node.args) < 4:  # not a checkpoint (a set's add)
+        return []
+    out = []
+    for i in VERIFY_SHOWN[name]:
+        if i >= len(node.args):
+            continue
+        arg = node.args[i]
+        if name == "evidence" and i == 0 and _is_command(arg):
+            continue
+        out.append(arg)
+    return out
+
+
+def _is_command(node: ast.expr) -> bool:
+    """A bare command (see VERIFY_SHOWN): a literal or f-string whose text reads as one."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return bool(_COMMAND.match(node.value))
+    if isinstance(node, ast.JoinedStr):
+        text = "".join(
+            v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else "X" for v in node.values
+        )
+        return bool(_COMMAND.match(text))
+    return False
+
+
+def _reason_sinks(node: ast.AST) -> list[ast.expr]:
+    """The reasons a stored-reason module writes (REASON_MODULES)."""
+    out: list[ast.expr] = []
+    if isinstance(node, ast.Call):
+        i = REASON_ARGS.get(_name(node.func))
+        if i is not None:
+            out += node.args[i : i + 1]
+        out += [k.value for k in node.keywords if k.arg == "reason"]
+        if _name(node.func) == "append" and isinstance(node.func, ast.Attribute):
+            if _name(node.func.value) == "failed":  # an analysis' failed checks, joined into its reason
+                out += node.args[:1]
+    elif isinstance(node, ast.Assign):
+        if any(isinstance(t, ast.Attribute | ast.Name) and _name(t) == "reason" for t in node.targets):
+            out.append(node.value)
+    return out
+
+
 def _cli_sinks(node: ast.AST) -> list[ast.expr]:
     if not isinstance(node, ast.Call):
         return []
@@ -361,11 +440,24 @@ def _leaves(node: ast.expr) -> list[ast.expr]:
     return [node]
 
 
-def unmarked_source(text: str, source: str, replica: bool, config: bool = False) -> list[str]:
+def unmarked_source(
+    text: str, source: str, replica: bool, config: bool = False, kind: str = ""
+) -> list[str]:
     """The unmarked user-facing texts of one module, as 'file:line: text' (`config`: a module of the
-    device-plugin config loader, CONFIG_MODULES)."""
+    device-plugin config loader, CONFIG_MODULES; `kind` "verify": kunlun-cli verify's shown texts,
+    VERIFY_SHOWN; "reason": a module that stores reasons, REASON_MODULES)."""
     out = []
-    sinks = _config_sinks if config else _replica_sinks if replica else _cli_sinks
+    sinks = (
+        _verify_sinks
+        if kind == "verify"
+        else _reason_sinks
+        if kind == "reason"
+        else _config_sinks
+        if config
+        else _replica_sinks
+        if replica
+        else _cli_sinks
+    )
     for node in ast.walk(ast.parse(text, source)):
         for arg in sinks(node):
             for b in _leaves(arg):
@@ -383,6 +475,7 @@ def unmarked(root: Path = ROOT) -> list[str]:
         out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
     for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
         rel = path.relative_to(root).as_posix()
+        out += unmarked_source(path.read_text(encoding="utf-8"), rel, False, kind="verify")
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
             out += [
                 f"{rel}:{p.lineno}: {ast.unparse(p)[:80]} (a verify text must be a literal: it is translated where shown)"
@@ -401,6 +494,9 @@ def unmarked(root: Path = ROOT) -> list[str]:
     for where in CONFIG_MODULES:
         if (root / where).exists():
             out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, config=True)
+    for where in REASON_MODULES:
+        if (root / where).exists():
+            out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, kind="reason")
     return out
 
 

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001  (Chinese text is written with its own full-width punctuation)
 """`kunlun-cli verify` against a real local cluster (3 etcd members, 3 replicas, 2 simulated agents,
 3 gateways): the layers pass and the report is written; a busy card is refused and a topology that
 differs from the declaration fails, each with a non-zero exit code; nothing the run created stays.
@@ -8,6 +9,7 @@ the operator call, its process exits and the supervisor starts a new one."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from devcluster.procs import pid_alive, wait_for
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, rollout_pb2, rollout_pb2_grpc, types_pb2
 from kunlun_common.pki import paths_for
 from tests.conftest import FAST_TMP, start_cluster
-from tests.sched_helpers import delete_all, get, submit, workloads
+from tests.sched_helpers import delete_all, get, placed, submit, workloads
 
 NODE_CONFIGS = [str(EXAMPLES / "node-a.yaml"), str(EXAMPLES / "node-b.yaml")]
 
@@ -60,13 +62,16 @@ def cli_as(cluster: LocalCluster, tmp_path: Path, role: str, name: str) -> Any:
     cfg = tmp_path / f"client-{role}.yaml"
     write_client_config(cfg, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
 
-    def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def run(*args: str, timeout: float = 600, lang: str = "") -> subprocess.CompletedProcess[str]:
+        env = {"KUNLUN_CONFIG": str(cfg), "PATH": "/usr/bin:/bin"}
+        if lang:  # e.g. zh_CN.UTF-8: the reader's language
+            env["LANG"] = lang
         return subprocess.run(
             [sys.executable, "-m", "controlplane.cli.main", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={"KUNLUN_CONFIG": str(cfg), "PATH": "/usr/bin:/bin"},
+            env=env,
         )
 
     return run
@@ -174,6 +179,154 @@ def test_a_topology_that_differs_from_the_declaration_fails(
     assert "FAIL: " in r.stdout
     line = next(x for x in r.stdout.splitlines() if x.startswith("1      topology matrix as declared"))
     assert line.rstrip().endswith("FAIL") and "differs from the declared" in line
+
+
+def test_measured_values_and_evidence_in_chinese(cluster: LocalCluster, cli: Any, tmp_path: Path) -> None:
+    """Layer 1 against a declaration that differs, in Chinese and in English: the measured values,
+    thresholds, evidence commands and cleanup lines read in the reader's language on the terminal
+    and in report.md; report.json holds the same English values in both runs."""
+    wait_for(lambda: all_ready(cluster), 120, "every device Ready")
+    data = yaml.safe_load(Path(NODE_CONFIGS[0]).read_text())
+    data["devices"][0]["topology_distance"][0][1] = data["devices"][0]["topology_distance"][1][0] = 3
+    changed = tmp_path / "node-a.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    args = ("verify", "--layer", "1", "--declared", str(changed))
+    zh = cli(*args, "--report", str(tmp_path / "zh"), lang="zh_CN.UTF-8")
+    en = cli(*args, "--report", str(tmp_path / "en"))
+    assert zh.returncode == 1 and en.returncode == 1, (zh.stderr, en.stderr)
+    report = json.loads((tmp_path / "en" / "report.json").read_text())
+    cps = checkpoints(report)
+    ready, topo = cps[(1, "every declared device Ready")], cps[(1, "topology matrix as declared")]
+    # report.json: English, the same whatever the language
+    zh_cps = checkpoints(json.loads((tmp_path / "zh" / "report.json").read_text()))
+    for key, c in cps.items():
+        assert (zh_cps[key]["measured"], zh_cps[key]["threshold"]) == (c["measured"], c["threshold"])
+        assert [e["command"] for e in zh_cps[key]["evidence"]] == [e["command"] for e in c["evidence"]]
+    assert ready["measured"] == "7/7 Ready"
+    assert ready["threshold"] == "7/7 Ready (none Unknown, Error or Unhealthy)"
+    assert topo["measured"].startswith("node-a: graph [[0, 1,") and topo["measured"].endswith(
+        "; compared with the declaration of node-a"
+    )
+    assert "differs from the declared [[0, 3," in topo["measured"]
+    assert topo["threshold"] == "square, symmetric, zero diagonal, equal to --declared"
+    # English terminal: the values as in report.json, the evidence of the failed checkpoint
+    en_row = (
+        r"\n1 +every declared device Ready +7/7 Ready +7/7 Ready \(none Unknown, Error or Unhealthy\) +PASS\n"
+    )
+    assert re.search(en_row, en.stdout), en.stdout
+    assert (
+        topo["measured"] in en.stdout
+        and "$ kunlun-cli node describe node-a (topology_distance of each device)\n" in en.stdout
+    )
+    assert (
+        "  [PASS ] every declared device Ready: 7/7 Ready (threshold 7/7 Ready (none Unknown, Error or Unhealthy))"
+        in en.stderr
+    )
+    # Chinese terminal: measured values, thresholds and the evidence's description in Chinese
+    zh_row = r"\n1 +所有声明的设备均为 Ready +7/7 台为 Ready +7/7 台为 Ready（没有 Unknown、Error 或 Unhealthy） +PASS\n"
+    assert re.search(zh_row, zh.stdout), zh.stdout
+    zh_topo = "node-a：图中的 [[0, 1, 2, 2], [1, 0, 2, 2], [2, 2, 0, 1], [2, 2, 1, 0]] 与声明的 [[0, 3,"
+    assert zh_topo in zh.stdout and "不同；已与 node-a 的声明比较" in zh.stdout, zh.stdout
+    assert "方阵、对称、对角线为零，且与 --declared 相同" in zh.stdout
+    assert "$ kunlun-cli node describe node-a（每个设备的 topology_distance）\n" in zh.stdout
+    assert "graph" not in zh.stdout and "declaration" not in zh.stdout and "Ready (none" not in zh.stdout
+    # report.md: in the reader's language too, the English one unchanged in form
+    md_zh, md_en = ((tmp_path / d / "report.md").read_text() for d in ("zh", "en"))
+    assert (
+        "| 1 | 所有声明的设备均为 Ready | 7/7 台为 Ready | 7/7 台为 Ready（没有 Unknown、Error 或 Unhealthy） | PASS |"
+        in md_zh
+    )
+    assert "`kunlun-cli verify（平台 MEMORY 与厂商工具对比）`" in md_zh and "{" not in md_zh.split("```")[0]
+    assert f"| 1 | every declared device Ready | {ready['measured']} | {ready['threshold']} | PASS |" in md_en
+    assert "`kunlun-cli verify (platform MEMORY vs vendor tool)`" in md_en
+    assert f"- measured: {topo['measured']}" in md_en
+
+
+def test_describe_labels_in_chinese(cluster: LocalCluster, cli: Any) -> None:
+    """`device describe` and `node describe`: each JSON key's label in the reader's language, values
+    aligned in one column (a Chinese character is two columns wide); English labels as always."""
+    from controlplane.cli.views import device_json, display_width, node_json
+
+    shown: dict[str, str] = {}
+    for args, width in (
+        (("device", "describe", "node-a/ascend:0"), None),
+        (("node", "describe", "node-a"), 22),
+    ):
+        keys = [*device_json(types_pb2.Device()), "node_ready", "node_address"]
+        if args[0] == "node":
+            keys = [*node_json(types_pb2.Node()), "protections", "note", "device_names"]
+        en, zh = cli(*args), cli(*args, lang="zh_CN.UTF-8")
+        assert en.returncode == 0 and zh.returncode == 0, (en.stderr, zh.stderr)
+        en_lines, zh_lines = en.stdout.splitlines()[: len(keys)], zh.stdout.splitlines()[: len(keys)]
+        pad = max(len(k) for k in keys) + 2 if width is None else width + 1
+        for k, line in zip(keys, en_lines, strict=True):  # the English labels as before, byte for byte
+            assert line.startswith(k.replace("_", " ").capitalize().ljust(pad)), (k, line)
+            assert line[pad - 1] == " " and (len(line) == pad or line[pad] != " ")
+        value_at = set()
+        for en_line, zh_line in zip(en_lines, zh_lines, strict=True):
+            value = en_line[pad:]
+            if value and not any(c.isdigit() for c in value):  # telemetry values change from call to call
+                assert zh_line.endswith(" " + value), (zh_line, value)
+                value_at.add(display_width(zh_line) - display_width(value))
+        assert len(value_at) == 1, value_at  # one column
+        shown[args[0]] = zh.stdout
+    dev, node = shown["device"], shown["node"]
+    assert (
+        dev.startswith("名称") and "\n设备类型 " in dev and "\nHBM 内存 (MB) " in dev and "\n拓扑距离 " in dev
+    )
+    assert "\n地址 " in node and "\nagent 版本 " in node and "\n所连副本 " in node and "Address" not in node
+
+
+def test_stored_reasons_in_chinese(cluster: LocalCluster, cli: Any) -> None:
+    """The reasons the replicas store on instances and rollouts carry a message id beside their
+    English text: `workload describe` and `rollout status` show them in Chinese under zh_CN, in
+    English otherwise, and `-o json` keeps the English text."""
+    wait_for(lambda: all_ready(cluster), 120, "every device Ready")
+    submit(cluster, name="tenant", model="m", replicas=1, pin="node-b/cambricon:1", memory_per_device_mb=1024)
+    submit(cluster, name="toobig", model="m", replicas=1, memory_per_device_mb=10**7)
+    wait_for(lambda: placed(cluster, "tenant"), 60, "tenant placed")
+    wait_for(lambda: get(cluster, "toobig").instances[0].unplaced_reasons, 60, "toobig told why")
+    big = get(cluster, "toobig").instances[0]
+    assert big.reason_message and big.reason.startswith("node-a: "), big.reason
+    zh, en = cli("workload", "describe", "toobig", lang="zh_CN.UTF-8"), cli("workload", "describe", "toobig")
+    assert zh.returncode == 0 and en.returncode == 0, (zh.stderr, en.stderr)
+    assert f": []  {big.reason}\n" in en.stdout and "waiting for placement" in en.stdout
+    zh_reason = big.reason.replace("node-a: ", "node-a：").replace("node-b: ", "node-b：")
+    assert f": []  {zh_reason}\n" in zh.stdout and "等待调度" in zh.stdout, zh.stdout
+    assert "waiting for placement" not in zh.stdout
+
+    # a rollout, promoted before its analysis has the requests it needs, then aborted
+    def rollouts(method: str, req: Any) -> rollout_pb2.Rollout:
+        with cluster.channel(cluster.endpoints[0]) as ch:
+            got = getattr(rollout_pb2_grpc.RolloutServiceStub(ch), method)(req, timeout=10)
+        assert isinstance(got, rollout_pb2.Rollout)
+        return got
+
+    spec = rollout_pb2.RolloutSpec(workload="tenant", model="m2", canary_pct=10)
+    rollouts("CreateRollout", rollout_pb2.CreateRolloutRequest(spec=spec))
+    rollouts("PromoteRollout", rollout_pb2.RolloutRequest(workload="tenant"))
+    get_req = rollout_pb2.RolloutRequest(workload="tenant")
+    wait_for(lambda: rollouts("GetRollout", get_req).step == 1, 60, "the promote applied")
+    rollouts("AbortRollout", get_req)
+    wait_for(lambda: rollouts("GetRollout", get_req).phase == "Aborted", 60, "the rollout aborted")
+    r = json.loads(cli("rollout", "status", "tenant", "-o", "json", lang="zh_CN.UTF-8").stdout)
+    assert r["reason"] == "aborted on request; canary removed, baseline untouched"
+    promoted = r["history"][1]["reason"]
+    assert promoted == (
+        "promoted (analysis incomplete: waiting for 100 requests (canary 0, baseline 0; 50 each needed)): "
+        "step 2/2, canary weight 100%"
+    )
+    zh, en = cli("rollout", "status", "tenant", lang="zh_CN.UTF-8"), cli("rollout", "status", "tenant")
+    assert "Phase:     Aborted  aborted on request; canary removed, baseline untouched\n" in en.stdout
+    assert f"Analysis:  Waiting (step 1)  {r['analysis']['reason']}\n" in en.stdout
+    assert f"  {promoted}\n" in en.stdout and "by operator:admin  created\n" in en.stdout
+    assert "Aborted  应请求中止；金丝雀已移除，基线未受影响\n" in zh.stdout, zh.stdout
+    assert "还需等待 100 个请求（金丝雀 0，基线 0；各需 50 个）\n" in zh.stdout
+    assert (
+        "  已 promote（分析未完成：还需等待 100 个请求（金丝雀 0，基线 0；各需 50 个））：第 2/2 步，金丝雀权重 100%\n"
+        in zh.stdout
+    )
+    assert "已创建\n" in zh.stdout and "request" not in zh.stdout
 
 
 def replica_pids(cluster: LocalCluster) -> dict[str, int]:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from controlplane.cli.output import print_json, print_table
-from controlplane.cli.views import DEVICE_HEADERS, device_json, device_row
+from controlplane.cli.views import DEVICE_HEADERS, describe_lines, device_json, device_row
 from kunlun_common.api import cluster_pb2
 from kunlun_common.states import DeviceState
 
@@ -49,11 +49,8 @@ def device_describe(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(d)
         return 0
-    width = max(len(k) for k in d)
-    for k, v in d.items():
-        if isinstance(v, list):
-            v = ", ".join(str(x) for x in v) or "-"
-        print(f"{k.replace('_', ' ').capitalize():<{width}}  {v}")
+    for line in describe_lines(d):
+        print(line)
     state = DeviceState.of(resp.device.status)
     if state is not DeviceState.READY:
         print(f"\n{state}: {resp.device.status_reason}")

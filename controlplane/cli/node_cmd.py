@@ -9,7 +9,7 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
-from controlplane.cli.views import node_json
+from controlplane.cli.views import describe_lines, node_json, shown_reason
 from kunlun_common.api import cluster_pb2, cluster_pb2_grpc, workload_pb2
 from kunlun_common.i18n import _
 from kunlun_common.states import InstancePhase
@@ -91,10 +91,8 @@ def node_describe(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(d)
         return 0
-    for k, v in d.items():
-        if isinstance(v, list):
-            v = ", ".join(str(x) for x in v) or "-"
-        print(f"{k.replace('_', ' ').capitalize():<22} {v}")
+    for line in describe_lines(d, width=22):
+        print(line)
     return 0
 
 
@@ -105,6 +103,7 @@ def node_op(args: argparse.Namespace) -> int:
     )
     resp = client.workloads(lambda s: s.CordonNode, req)
     stuck: list[dict[str, Any]] = []
+    shown: list[str] = []
     if args.op == "drain":
         end = time.monotonic() + args.drain_timeout
         while True:
@@ -116,6 +115,7 @@ def node_op(args: argparse.Namespace) -> int:
                 if i.node == args.node and i.phase != InstancePhase.PENDING
             ]
             stuck = [{"workload": n, "instance": i.id, "reason": i.reason} for n, i in left]
+            shown = [shown_reason(i) for _n, i in left]
             blocked = bool(left) and all(i.reason.startswith("DrainBlocked") for _, i in left)
             if not left or blocked or time.monotonic() > end:
                 break
@@ -132,10 +132,10 @@ def node_op(args: argparse.Namespace) -> int:
                 else (_("node {node} uncordoned, drained") if resp.draining else _("node {node} uncordoned"))
             ).format(node=resp.node)
         )
-        for s in stuck:
+        for s, why in zip(stuck, shown, strict=True):
             print(
                 _("  cannot move {instance} ({workload}): {reason}").format(
-                    instance=s["instance"], workload=s["workload"], reason=s["reason"]
+                    instance=s["instance"], workload=s["workload"], reason=why
                 ),
                 file=sys.stdout,
             )

@@ -9,6 +9,7 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
+from controlplane.cli.views import shown_reason
 from kunlun_common.api import rollout_pb2, rollout_pb2_grpc
 from kunlun_common.i18n import _
 from kunlun_common.states import RolloutPhase
@@ -213,7 +214,7 @@ def status(args: argparse.Namespace) -> int:
         return 0
     print(
         _("Workload:  {workload}\nPhase:     {phase}  {reason}").format(
-            workload=d["workload"], phase=d["phase"], reason=d["reason"]
+            workload=d["workload"], phase=d["phase"], reason=shown_reason(r)
         )
     )
     if d["phase"] == RolloutPhase.COMPLETED:
@@ -238,7 +239,7 @@ def status(args: argparse.Namespace) -> int:
         a = d["analysis"]
         print(
             _("Analysis:  {verdict} (step {value})  {reason}").format(
-                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+                verdict=a["verdict"], value=a["step"] + 1, reason=shown_reason(r.last_analysis)
             )
         )
         _print_analysis(a)
@@ -246,13 +247,13 @@ def status(args: argparse.Namespace) -> int:
         a = d["live_analysis"]
         print(
             _("Live:      {verdict} (step {value})  {reason}").format(
-                verdict=a["verdict"], value=a["step"] + 1, reason=a["reason"]
+                verdict=a["verdict"], value=a["step"] + 1, reason=shown_reason(r.live_analysis)
             )
         )
         _print_analysis(a)
-    for h in d["history"]:
+    for h, event in zip(d["history"], r.history, strict=True):
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-        print(f"  {at}  {h['phase']:<12} by {h['by']}  {h['reason']}")
+        print(f"  {at}  {h['phase']:<12} by {h['by']}  {shown_reason(event)}")
     return 0
 
 

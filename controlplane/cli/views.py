@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+import unicodedata
+from typing import Any, Protocol
 
 from google.protobuf import json_format
 
 from kunlun_common.api import cluster_pb2, types_pb2
+from kunlun_common.i18n import localize, pgettext
+from kunlun_common.messages import Message, from_stored, plain
 from kunlun_common.states import DeviceState, NodeState
+
+
+class _WithReason(Protocol):
+    @property
+    def reason(self) -> str: ...
+    @property
+    def reason_message(self) -> str: ...
+
+
+def reason_of(record: _WithReason) -> Message:
+    """A stored reason (an instance's, a rollout's, an analysis', a history event's) as the message
+    the replica stored beside it; its English text as is when there is none (an older record, a
+    reason a node reported) or it no longer matches the text."""
+    return from_stored(record.reason_message, record.reason) or plain(record.reason)
+
+
+def shown_reason(record: _WithReason) -> str:
+    """A stored reason in the reader's language (`-o json` keeps `reason` as stored)."""
+    return localize(reason_of(record), record.reason)
 
 
 def device_json(d: types_pb2.Device) -> dict[str, Any]:
@@ -38,6 +60,73 @@ def device_json(d: types_pb2.Device) -> dict[str, Any]:
         "custom_attributes": json_format.MessageToDict(d.custom_attributes),
         "plugin": d.plugin,
     }
+
+
+def describe_labels() -> dict[str, str]:
+    """The labels `device describe` and `node describe` show before each field, by its JSON key, in
+    the reader's language (in English: the key with spaces, capitalized, as always)."""
+    return {
+        "name": pgettext("describe", "Name"),
+        "node": pgettext("describe", "Node"),
+        "device_type": pgettext("describe", "Device type"),
+        "index": pgettext("describe", "Index"),
+        "model": pgettext("describe", "Model"),
+        "status": pgettext("describe", "Status"),
+        "status_reason": pgettext("describe", "Status reason"),
+        "total_memory_mb": pgettext("describe", "Total memory mb"),
+        "hbm_memory_mb": pgettext("describe", "Hbm memory mb"),
+        "sys_memory_mb": pgettext("describe", "Sys memory mb"),
+        "memory_used_mb": pgettext("describe", "Memory used mb"),
+        "utilization_pct": pgettext("describe", "Utilization pct"),
+        "temperature_c": pgettext("describe", "Temperature c"),
+        "power_w": pgettext("describe", "Power w"),
+        "health": pgettext("describe", "Health"),
+        "fp16_tflops": pgettext("describe", "Fp16 tflops"),
+        "bf16_tflops": pgettext("describe", "Bf16 tflops"),
+        "int8_tflops": pgettext("describe", "Int8 tflops"),
+        "supported_dtypes": pgettext("describe", "Supported dtypes"),
+        "p2p_enabled": pgettext("describe", "P2p enabled"),
+        "p2p_bandwidth_gbps": pgettext("describe", "P2p bandwidth gbps"),
+        "topology_distance": pgettext("describe", "Topology distance"),
+        "custom_attributes": pgettext("describe", "Custom attributes"),
+        "plugin": pgettext("describe", "Plugin"),
+        "node_ready": pgettext("describe", "Node ready"),
+        "node_address": pgettext("describe", "Node address"),
+        "address": pgettext("describe", "Address"),
+        "ready": pgettext("describe", "Ready"),
+        "simulated": pgettext("describe", "Simulated"),
+        "cordoned": pgettext("describe", "Cordoned"),
+        "devices": pgettext("describe", "Devices"),
+        "agent_version": pgettext("describe", "Agent version"),
+        "pid": pgettext("describe", "Pid"),
+        "connected_replica": pgettext("describe", "Connected replica"),
+        "registered_at_unix_ms": pgettext("describe", "Registered at unix ms"),
+        "config_path": pgettext("describe", "Config path"),
+        "updated_by": pgettext("describe", "Updated by"),
+        "protections": pgettext("describe", "Protections"),
+        "note": pgettext("describe", "Note"),
+        "device_names": pgettext("describe", "Device names"),
+    }
+
+
+def display_width(text: str) -> int:
+    """Terminal columns of `text`: wide (CJK) characters take two."""
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def describe_lines(d: dict[str, Any], width: int | None = None) -> list[str]:
+    """`LABEL  value` lines of a describe command (labels padded to `width` columns; None: to the
+    widest label plus one); lists joined with ", " ("-" when empty). A key without a label is shown
+    as itself, with spaces."""
+    labels = describe_labels()
+    shown = {k: labels.get(k) or k.replace("_", " ").capitalize() for k in d}
+    pad = max((display_width(t) for t in shown.values()), default=0) + 1 if width is None else width
+    out = []
+    for k, v in d.items():
+        if isinstance(v, list):
+            v = ", ".join(str(x) for x in v) or "-"
+        out.append(f"{shown[k]}{' ' * max(0, pad - display_width(shown[k]))} {v}")
+    return out
 
 
 def device_row(d: types_pb2.Device) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
+from controlplane.cli.views import shown_reason
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
 from kunlun_common.i18n import _, error_text
@@ -266,7 +267,7 @@ def describe(args: argparse.Namespace) -> int:
         if v not in ("", 0, [], {}, False, None) or (v == 0 and k in ("max_surge", "max_unavailable")):
             print(f"  {k}: {v}")
     print(_("Instances:"))
-    for i in d["instance_details"]:
+    for i, inst in zip(d["instance_details"], s.instances, strict=True):
         print(
             _("  {id}  {phase}{value}  gen {generation}  target_devices: [{items}]  {reason}").format(
                 id=i["id"],
@@ -274,7 +275,7 @@ def describe(args: argparse.Namespace) -> int:
                 value=_(" (retiring)") if i["retiring"] else "",
                 generation=i["generation"],
                 items=", ".join(i["target_devices"]),
-                reason=i["reason"],
+                reason=shown_reason(inst),
             )
         )
         for node, why in i["unplaced_reasons"].items():
@@ -296,13 +297,13 @@ def describe(args: argparse.Namespace) -> int:
                     prepare_seconds=i["prepare_seconds"], first_token_ms=i["first_token_ms"]
                 )
             )
-        for h in i["history"][-5:]:
+        for h, event in list(zip(i["history"], inst.history, strict=True))[-5:]:
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-            print(f"      {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
+            print(f"      {at}  {h['phase']:<10} by {h['by']}  {shown_reason(event)}")
     print(_("History:"))
-    for h in d["history"]:
+    for h, event in zip(d["history"], s.workload.history, strict=True):
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-        print(f"  {at}  {h['phase']:<10} by {h['by']}  {h['reason']}")
+        print(f"  {at}  {h['phase']:<10} by {h['by']}  {shown_reason(event)}")
     return 0
 
 

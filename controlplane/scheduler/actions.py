@@ -8,12 +8,14 @@ transaction is committed through the leader's Fence: atomically, or not at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controlplane import keys
 from controlplane.store.contract import KV, MAX_TXN_OPS, Compare, DeleteOp, Op, PutOp
 from kunlun_common.api import workload_pb2
 from kunlun_common.clock import now_ms
+from kunlun_common.messages import Message, msg, to_stored
 from kunlun_common.states import InstancePhase
 
 
@@ -26,11 +28,24 @@ class Unit:
     ops: list[Op] = field(default_factory=list)
 
 
-def event(inst: workload_pb2.Instance, phase: str, by: str, reason: str = "") -> None:
-    inst.phase = phase
-    inst.reason = reason
-    inst.history.append(workload_pb2.PhaseEvent(phase=phase, at_unix_ms=now_ms(), by=by, reason=reason))
+def set_reason(inst: workload_pb2.Instance, reason: Message) -> None:
+    """The instance's reason: its English text, and beside it the message clients translate."""
+    inst.reason, inst.reason_message = str(reason), to_stored(reason)
+
+
+def _history(inst: workload_pb2.Instance, phase: str, by: str) -> None:
+    inst.history.append(
+        workload_pb2.PhaseEvent(
+            phase=phase, at_unix_ms=now_ms(), by=by, reason=inst.reason, reason_message=inst.reason_message
+        )
+    )
     del inst.history[:-50]  # bounded history
+
+
+def event(inst: workload_pb2.Instance, phase: str, by: str, reason: Message) -> None:
+    inst.phase = phase
+    set_reason(inst, reason)
+    _history(inst, phase, by)
 
 
 MAX_TXN_BYTES = 512 * 1024  # well under etcd's default --max-request-bytes (1.5 MiB)
@@ -124,7 +139,7 @@ def create_instance(
     slot = keys.instance_slot(w.id, ordinal, variant)
     if successor:
         slot = inst.slot = f"{slot}/g{w.generation}"
-    event(inst, InstancePhase.PENDING, by, "waiting for placement")
+    event(inst, InstancePhase.PENDING, by, msg("instance.waiting", "waiting for placement"))
     key = keys.instance(inst.id)
     return Unit(
         f"create {inst.id}",
@@ -161,7 +176,7 @@ def remove_instance(inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple
 
 
 def release_instance(
-    inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple[str, KV]], by: str, reason: str
+    inst: workload_pb2.Instance, kv: KV, allocs: dict[str, tuple[str, KV]], by: str, reason: Message
 ) -> Unit:
     """Back to the queue (rescheduling, preemption, spec change): free its devices in the same commit."""
     cmps, ops = _free_allocs(inst, allocs)
@@ -187,7 +202,7 @@ def place_instance(
     by: str,
     generation: int,
     allocs: dict[str, tuple[str, KV]] | None = None,
-    reason: str = "",
+    reason: Message | None = None,
     spec: workload_pb2.WorkloadSpec | None = None,
 ) -> Unit:
     """Place (or move, when `allocs` holds its old allocations): each new device must still be free.
@@ -208,7 +223,12 @@ def place_instance(
     if spec is not None:
         new.spec.CopyFrom(spec)
         new.spec.ClearField("replicas")
-    event(new, InstancePhase.SCHEDULED, by, reason or f"placed on {', '.join(devices)}")
+    event(
+        new,
+        InstancePhase.SCHEDULED,
+        by,
+        reason or msg("instance.placed", "placed on {devices}", devices=", ".join(devices)),
+    )
     alloc_value = keys.encode({"instance": inst.id, "workload": inst.workload_id, "at_ms": now_ms()})
     return Unit(
         f"place {inst.id} on {','.join(devices)}",
@@ -225,14 +245,13 @@ def place_instance(
     )
 
 
-def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: str) -> Unit:
+def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: Message) -> Unit:
     """Take a serving instance out of routing (a rolling update); its engine runs until removal."""
     new = workload_pb2.Instance()
     new.CopyFrom(inst)
     new.retiring = True
-    new.reason = reason
-    new.history.append(workload_pb2.PhaseEvent(phase=new.phase, at_unix_ms=now_ms(), by=by, reason=reason))
-    del new.history[:-50]
+    set_reason(new, reason)
+    _history(new, new.phase, by)
     return Unit(
         f"retire {inst.id}",
         [Compare.unchanged(kv.key, kv.mod_revision)],
@@ -240,15 +259,24 @@ def retire_instance(inst: workload_pb2.Instance, kv: KV, by: str, reason: str) -
     )
 
 
-def note_unplaced(inst: workload_pb2.Instance, kv: KV, reasons: dict[str, str], reason: str) -> Unit | None:
-    """Record why an instance is not placed (only when that changed)."""
+def note_unplaced(
+    inst: workload_pb2.Instance,
+    kv: KV,
+    reasons: dict[str, str],
+    reason: str,
+    message: Callable[[], Message],
+) -> Unit | None:
+    """Record why an instance is not placed (only when that changed): `reason` is the English text,
+    `message` makes it as a message (only when it is written: most ticks change nothing)."""
     if dict(inst.unplaced_reasons) == reasons and inst.reason == reason:
         return None
     new = workload_pb2.Instance()
     new.CopyFrom(inst)
     new.unplaced_reasons.clear()
     new.unplaced_reasons.update(reasons)
+    m = message()
     new.reason = reason
+    new.reason_message = to_stored(m) if str(m) == reason else ""
     return Unit(
         f"unplaced {inst.id}",
         [Compare.unchanged(kv.key, kv.mod_revision)],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from controlplane import keys
 from controlplane.scheduler.actions import (
@@ -35,6 +36,7 @@ from controlplane.scheduler.rolling import observed_phase, rolling_units
 from controlplane.scheduler.snapshot import ClusterState, graph_snapshot, queue_inputs, workload_req
 from controlplane.store.contract import KV, Compare, DeleteOp, Op
 from kunlun_common.api import workload_pb2
+from kunlun_common.messages import Message, msg, msg_list
 from kunlun_common.states import PLACED, DeviceState, InstancePhase
 
 MAX_REASON_NODES = 32
@@ -101,9 +103,39 @@ def mass_not_ready(st: ClusterState, fraction: float) -> str:
 
 
 def blocked_reason(reasons: dict[str, str]) -> str:
+    """Why an instance is not placed, in English (the per-node reasons are the filters' codes and
+    texts, as they are); compared with the stored reason on every tick, so kept cheap."""
     if reasons and all(r == "NoFreeDevice" for r in reasons.values()):
         return "NoFreeDevice"
     return "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items())[:MAX_REASON_NODES]) or "no node"
+
+
+def drain_blocked_message(node: str, reasons: dict[str, str]) -> Message:
+    """Why an instance on a drained node cannot move, as a message."""
+    return msg(
+        "instance.drain_blocked",
+        "DrainBlocked: cannot move off {node}: {why}",
+        node=node,
+        why=blocked_message(reasons),
+    )
+
+
+def blocked_message(reasons: dict[str, str]) -> Message:
+    """`blocked_reason` as a message (made only when the reason is written)."""
+    if reasons and all(r == "NoFreeDevice" for r in reasons.values()):
+        return msg("instance.no_free_device", "NoFreeDevice")
+    if not reasons:
+        return msg("instance.no_node", "no node")
+    return msg_list(
+        "instance.blocked",
+        "{parts}",
+        [
+            msg("instance.node_reason", "{node}: {reason}", node=n, reason=r)
+            for n, r in sorted(reasons.items())[:MAX_REASON_NODES]
+        ],
+        bullet="",
+        sep="; ",
+    )
 
 
 def bounded_reasons(reasons: dict[str, str]) -> dict[str, str]:
@@ -217,7 +249,13 @@ def canary_units(
         elif not inst.retiring:
             units.append(
                 retire_instance(
-                    inst, kv, by, "canary no longer wanted: out of routing, stopped after draining"
+                    inst,
+                    kv,
+                    by,
+                    msg(
+                        "instance.canary_unwanted",
+                        "canary no longer wanted: out of routing, stopped after draining",
+                    ),
                 )
             )
     return units
@@ -242,15 +280,18 @@ def reschedule(st: ClusterState, obs: Observations, mono: float, by: str) -> tup
         if owner is None or owner[0].deleting:
             continue
         generation = owner[0].generation
-        reason = ""
+        reason: Message | None = None
         if inst.node not in st.alive and paused and owner[0].spec.fencing == "available":
             continue  # its engine keeps serving; the node more likely lost us than its work
         if inst.node not in st.alive:
             down_for = mono - obs.not_ready_since.get(inst.node, mono)
             if down_for >= cfg.node_not_ready_grace_seconds:
-                reason = (
-                    f"Rescheduled: node {inst.node} NotReady for {down_for:.1f}s "
-                    f"(grace {cfg.node_not_ready_grace_seconds:g}s, as seen by this leader)"
+                reason = msg(
+                    "instance.node_not_ready",
+                    "Rescheduled: node {node} NotReady for {down_for:.1f}s (grace {grace:g}s, as seen by this leader)",
+                    node=inst.node,
+                    down_for=down_for,
+                    grace=cfg.node_not_ready_grace_seconds,
                 )
         bad = [
             d
@@ -258,9 +299,9 @@ def reschedule(st: ClusterState, obs: Observations, mono: float, by: str) -> tup
             if d in obs.unhealthy_since
             and mono - obs.unhealthy_since[d] >= cfg.device_unhealthy_grace_seconds
         ]
-        if bad and not reason:
-            reason = f"Rescheduled: device {bad[0]} Unhealthy"
-        if not reason:
+        if bad and reason is None:
+            reason = msg("instance.device_unhealthy", "Rescheduled: device {device} Unhealthy", device=bad[0])
+        if reason is None:
             continue  # a spec change replaces instances by a rolling update (`rolling`), not here
         if inst.retiring or (not inst.variant and inst.generation and inst.generation != generation):
             # an old instance is not moved: its successor (rolling update) takes the ordinal
@@ -297,13 +338,20 @@ def drain(st: ClusterState, now: float, by: str) -> list[Unit]:
                 by,
                 inst.generation,
                 allocs=st.allocs,
-                reason=f"moved off drained node {inst.node}",
+                reason=msg("instance.moved_off", "moved off drained node {node}", node=inst.node),
             )
         )
     for u in plan.unplaced:
         inst, kv = st.instances[u.instance_id]
-        why = f"DrainBlocked: cannot move off {inst.node}: {blocked_reason(bounded_reasons(dict(u.reasons)))}"
-        unit = note_unplaced(inst, kv, dict(inst.unplaced_reasons), why)
+        blocked = bounded_reasons(dict(u.reasons))
+        why = f"DrainBlocked: cannot move off {inst.node}: {blocked_reason(blocked)}"
+        unit = note_unplaced(
+            inst,
+            kv,
+            dict(inst.unplaced_reasons),
+            why,
+            partial(drain_blocked_message, inst.node, blocked),
+        )
         if unit:
             units.append(unit)
     return units
@@ -331,7 +379,13 @@ def placement(st: ClusterState, now: float, by: str) -> PlacementDecision:
                 evicted.add(victim)
                 vi, vkv = st.instances[victim]
                 units.append(
-                    release_instance(vi, vkv, st.allocs, by, f"Preempted by {p.instance_id} (priority high)")
+                    release_instance(
+                        vi,
+                        vkv,
+                        st.allocs,
+                        by,
+                        msg("instance.preempted", "Preempted by {id} (priority high)", id=p.instance_id),
+                    )
                 )
             continue  # placed on the next tick, once the victims' devices are free
         units.append(place(st, p, by))
@@ -342,7 +396,7 @@ def placement(st: ClusterState, now: float, by: str) -> PlacementDecision:
             break
         inst, kv = st.instances[u.instance_id]
         reasons = bounded_reasons(dict(u.reasons))
-        unit = note_unplaced(inst, kv, reasons, blocked_reason(reasons))
+        unit = note_unplaced(inst, kv, reasons, blocked_reason(reasons), partial(blocked_message, reasons))
         if unit:
             units.append(unit)
             noted += 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from controlplane.scheduler.actions import Unit, create_instance, remove_instance, retire_instance
 from controlplane.store.contract import KV
 from kunlun_common.api import workload_pb2
+from kunlun_common.messages import msg
 from kunlun_common.states import PLACED, InstancePhase
 
 DEFAULT_MAX_SURGE = 1
@@ -275,7 +276,10 @@ def rolling_units(
     units: list[Unit] = [create_instance(w, w_kv, o, by, revision, successor=True) for o in d.create]
     for iid in d.retire:
         inst, kv = records[iid]
-        units.append(retire_instance(inst, kv, by, f"Retiring: replaced by generation {w.generation}"))
+        why = msg(
+            "instance.retiring", "Retiring: replaced by generation {generation}", generation=w.generation
+        )
+        units.append(retire_instance(inst, kv, by, why))
     for iid in d.remove:
         inst, kv = records[iid]
         units.append(remove_instance(inst, kv, allocs))

@@ -15,7 +15,7 @@ from controlplane.workloads import records
 from kunlun_common.api import rollout_pb2, workload_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import ConcurrentChange, InvalidInput, NotFoundError, PermanentError
-from kunlun_common.messages import Message, msg, msg_list
+from kunlun_common.messages import Message, msg, msg_list, stored_reason
 from kunlun_common.states import RolloutPhase
 
 MAX_CAS_ATTEMPTS = 5
@@ -139,7 +139,12 @@ async def create(store: EtcdStore, spec: rollout_pb2.RolloutSpec, who: str) -> r
         created_by=who,
         created_at_unix_ms=at,
         history=[
-            workload_pb2.PhaseEvent(phase=RolloutPhase.PROGRESSING, at_unix_ms=at, by=who, reason="created")
+            workload_pb2.PhaseEvent(
+                phase=RolloutPhase.PROGRESSING,
+                at_unix_ms=at,
+                by=who,
+                **stored_reason(msg("rollout.created", "created")),
+            )
         ],
         step_start_stats=gateway_stats(stats_kvs),
     )

@@ -145,6 +145,7 @@ class RolloutAnalysis(_message.Message):
     P95_DEVIATION_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     at_unix_ms: _builtins.int
     step: _builtins.int
     p95_deviation: _builtins.float
@@ -152,6 +153,8 @@ class RolloutAnalysis(_message.Message):
     verdict: _builtins.str
     """"Passed", "Failed" or "Waiting" (too few requests yet)."""
     reason: _builtins.str
+    reason_message: _builtins.str
+    """`reason` as a message (JSON, as PhaseEvent.reason_message), for clients to translate."""
     @_builtins.property
     def baseline(self) -> Global___VersionStats: ...
     @_builtins.property
@@ -166,10 +169,11 @@ class RolloutAnalysis(_message.Message):
         p95_deviation: _builtins.float = ...,
         verdict: _builtins.str = ...,
         reason: _builtins.str = ...,
+        reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["baseline", b"baseline", "canary", b"canary"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "baseline", b"baseline", "canary", b"canary", "p95_deviation", b"p95_deviation", "reason", b"reason", "step", b"step", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "baseline", b"baseline", "canary", b"canary", "p95_deviation", b"p95_deviation", "reason", b"reason", "reason_message", b"reason_message", "step", b"step", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -197,6 +201,7 @@ class Rollout(_message.Message):
     STEP_START_STATS_FIELD_NUMBER: _builtins.int
     LAST_ANALYSIS_FIELD_NUMBER: _builtins.int
     LIVE_ANALYSIS_FIELD_NUMBER: _builtins.int
+    REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     workload_id: _builtins.str
     workload: _builtins.str
     baseline_model: _builtins.str
@@ -214,6 +219,10 @@ class Rollout(_message.Message):
     reason: _builtins.str
     created_by: _builtins.str
     created_at_unix_ms: _builtins.int
+    reason_message: _builtins.str
+    """`reason` as a message (JSON, as PhaseEvent.reason_message), for clients to translate; empty
+    (older records): `reason` as it is.
+    """
     @_builtins.property
     def spec(self) -> Global___RolloutSpec: ...
     @_builtins.property
@@ -251,10 +260,11 @@ class Rollout(_message.Message):
         step_start_stats: _abc.Iterable[_gateway_pb2.GatewayStats] | None = ...,
         last_analysis: Global___RolloutAnalysis | None = ...,
         live_analysis: Global___RolloutAnalysis | None = ...,
+        reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_requested", b"abort_requested", "baseline_model", b"baseline_model", "created_at_unix_ms", b"created_at_unix_ms", "created_by", b"created_by", "history", b"history", "last_analysis", b"last_analysis", "live_analysis", b"live_analysis", "phase", b"phase", "promotions_applied", b"promotions_applied", "promotions_requested", b"promotions_requested", "reason", b"reason", "reason_message", b"reason_message", "spec", b"spec", "step", b"step", "step_start_stats", b"step_start_stats", "step_started_at_unix_ms", b"step_started_at_unix_ms", "weight_pct", b"weight_pct", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -172,11 +172,16 @@ class PhaseEvent(_message.Message):
     AT_UNIX_MS_FIELD_NUMBER: _builtins.int
     BY_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
     at_unix_ms: _builtins.int
     by: _builtins.str
     """Certificate identity or "scheduler@<replica>"."""
     reason: _builtins.str
+    reason_message: _builtins.str
+    """`reason` as a message (JSON: id, template, args; kunlun_common/messages.py `to_stored`), which
+    clients show in their reader's language; empty (older records): `reason` as it is.
+    """
     def __init__(
         self,
         *,
@@ -184,10 +189,11 @@ class PhaseEvent(_message.Message):
         at_unix_ms: _builtins.int = ...,
         by: _builtins.str = ...,
         reason: _builtins.str = ...,
+        reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "by", b"by", "phase", b"phase", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_unix_ms", b"at_unix_ms", "by", b"by", "phase", b"phase", "reason", b"reason", "reason_message", b"reason_message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -316,6 +322,7 @@ class Instance(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     RETIRING_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
+    REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     workload_id: _builtins.str
     workload: _builtins.str
@@ -347,6 +354,11 @@ class Instance(_message.Message):
     """The instance-slots key this incarnation holds (controlplane/keys.py); empty: its ordinal's
     (`instance-slots/<workload id>/<ordinal>`). A rolling update's successor, alive beside the old
     instance of its ordinal, holds `.../<ordinal>/g<generation>`.
+    """
+    reason_message: _builtins.str
+    """`reason` as a message (JSON, as PhaseEvent.reason_message), for clients to translate; empty
+    (older records, and reasons a node reports): `reason` as it is. Clients use it only while its
+    English text equals `reason`.
     """
     @_builtins.property
     def target_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -402,10 +414,11 @@ class Instance(_message.Message):
         spec: Global___WorkloadSpec | None = ...,
         retiring: _builtins.bool = ...,
         slot: _builtins.str = ...,
+        reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "retiring", b"retiring", "seq", b"seq", "slot", b"slot", "spec", b"spec", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "enqueued_at_unix_ms", b"enqueued_at_unix_ms", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "generation", b"generation", "history", b"history", "id", b"id", "launch_command", b"launch_command", "launch_device_nodes", b"launch_device_nodes", "launch_env_names", b"launch_env_names", "node", b"node", "ordinal", b"ordinal", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "reason_message", b"reason_message", "restarts", b"restarts", "retiring", b"retiring", "seq", b"seq", "slot", b"slot", "spec", b"spec", "target_devices", b"target_devices", "unplaced_reasons", b"unplaced_reasons", "variant", b"variant", "workload", b"workload", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

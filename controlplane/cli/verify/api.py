@@ -22,7 +22,8 @@ from kunlun_common.api import (
     types_pb2,
     workload_pb2,
 )
-from kunlun_common.i18n import _
+from kunlun_common.i18n import _, localize
+from kunlun_common.messages import Message, msg, plain
 
 NAME_PREFIX = "kunlun-verify-"
 """Every workload a run creates is named `kunlun-verify-<run>-<what>`."""
@@ -145,9 +146,9 @@ class Api:
         self.created_keys.append(resp.key.id)
         return resp.secret
 
-    def cleanup(self, timeout_s: float = 60.0) -> list[str]:
+    def cleanup(self, timeout_s: float = 60.0) -> list[Message]:
         """Remove every workload and key of the run; one line per thing (says so when one stayed)."""
-        lines: list[str] = []
+        lines: list[Message] = []
         for key_id in self.created_keys:
             try:
                 self.client.call_stub(
@@ -155,9 +156,16 @@ class Api:
                     lambda s: s.RevokeApiKey,
                     gateway_pb2.RevokeApiKeyRequest(id=key_id),
                 )
-                lines.append(f"api key {key_id} revoked")
+                lines.append(msg("verify.cleanup.key_revoked", "api key {key_id} revoked", key_id=key_id))
             except CliError as e:
-                lines.append(f"api key {key_id} NOT removed: {e}")
+                lines.append(
+                    msg(
+                        "verify.cleanup.key_not_removed",
+                        "api key {key_id} NOT removed: {e}",
+                        key_id=key_id,
+                        e=plain(str(e)),
+                    )
+                )
         for name in self.created_workloads:
             try:
                 self.client.workloads(
@@ -165,18 +173,33 @@ class Api:
                 )
             except CliError as e:
                 if "not found" not in str(e):
-                    lines.append(f"workload {name} NOT removed: {e}")
+                    lines.append(
+                        msg(
+                            "verify.cleanup.workload_not_removed",
+                            "workload {name} NOT removed: {e}",
+                            name=name,
+                            e=plain(str(e)),
+                        )
+                    )
                     continue
         deadline = time.monotonic() + timeout_s
         pending = list(self.created_workloads)
         while pending and time.monotonic() < deadline:
             present = {w.workload.spec.name for w in self.workloads()}
             for name in [n for n in pending if n not in present]:
-                lines.append(f"workload {name} deleted")
+                lines.append(msg("verify.cleanup.workload_deleted", "workload {name} deleted", name=name))
                 pending.remove(name)
             if pending:
                 time.sleep(0.5)
-        lines.extend(f"workload {n} NOT removed within {timeout_s:.0f} s (still deleting)" for n in pending)
+        lines.extend(
+            msg(
+                "verify.cleanup.workload_still_deleting",
+                "workload {name} NOT removed within {timeout_s:.0f} s (still deleting)",
+                name=n,
+                timeout_s=timeout_s,
+            )
+            for n in pending
+        )
         self.created_workloads, self.created_keys = [], []
         return lines
 
@@ -200,7 +223,7 @@ def test_workload(name: str, **kw: object) -> workload_pb2.WorkloadSpec:
     return spec
 
 
-def poll(what: str, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.5) -> float:
+def poll(what: Message, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.5) -> float:
     """Wait until `check()` holds; return the seconds it took. CliError naming `what` on timeout."""
     started = time.monotonic()
     while True:
@@ -209,7 +232,7 @@ def poll(what: str, check: Callable[[], bool], timeout_s: float, interval_s: flo
         if time.monotonic() - started > timeout_s:
             raise CliError(
                 _("timed out after {timeout_s:.0f} s waiting for {what}").format(
-                    timeout_s=timeout_s, what=what
+                    timeout_s=timeout_s, what=localize(what)
                 )
             )
         time.sleep(interval_s)

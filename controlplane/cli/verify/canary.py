@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from controlplane.cli.client import CliError
 from controlplane.cli.rollout_cmd import rollout_json
 from controlplane.cli.verify.api import Api, poll, running
-from controlplane.cli.verify.common import Options, pct, workload_evidence
+from controlplane.cli.verify.common import Options, burst_command, pct, workload_evidence
 from controlplane.cli.verify.deploy import Deployed
 from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
+from controlplane.cli.views import reason_of
 from controlplane.rollout import DEFAULT_MAX_ERROR_RATE, DEFAULT_MAX_P95_INCREASE, DEFAULT_MIN_P95_DELTA_MS
 from kunlun_common.api import rollout_pb2
+from kunlun_common.messages import msg
 from kunlun_common.states import RolloutPhase, Verdict
 
 CANARY_PCT = 10
@@ -60,7 +62,11 @@ def start(api: Api, name: str, opts: Options) -> Plan:
     def canary_serves() -> bool:
         return any(i.variant == "canary" for i in running(api.workload(name)))
 
-    poll(f"the canary instance of {name} to serve", canary_serves, opts.ready_timeout_s)
+    poll(
+        msg("verify.poll.canary", "the canary instance of {name} to serve", name=name),
+        canary_serves,
+        opts.ready_timeout_s,
+    )
     summary = api.workload(name)
     return Plan(
         created,
@@ -99,13 +105,10 @@ def measure(api: Api, r: LayerResult, d: Deployed, name: str, plan: Plan, opts: 
         min_duration_s=MIN_BURST_S,
     )
     r.latencies_ms = b.latencies_ms
-    burst_ev = evidence(
-        f"POST http://{d.gateway}/v1/chat/completions x{n}, {opts.concurrency} concurrent",
-        b.summary() + ("\n" + "\n".join(b.errors) if b.errors else ""),
-    )
+    burst_ev = evidence(burst_command(d.gateway, n, opts.concurrency), b.report())
     try:
         poll(
-            "the gateways' counters to hold the burst",
+            msg("verify.poll.counters", "the gateways' counters to hold the burst"),
             lambda: _counted(api.rollout(name, live=True)) >= b.ok,
             STATS_WAIT_S,
         )
@@ -119,16 +122,41 @@ def measure(api: Api, r: LayerResult, d: Deployed, name: str, plan: Plan, opts: 
     live_ev = rollout_evidence(live)
     r.add(
         "canary share of the burst",
-        f"{c.requests} of {total} requests to the canary ({pct(share)}); burst: {b.ok}/{b.sent} answered 200",
-        f"{CANARY_PCT} % +- {SHARE_TOLERANCE_POINTS:.0f} points, every request counted and answered",
+        msg(
+            "verify.canary.share",
+            "{canary} of {total} requests to the canary ({share}); burst: {ok}/{sent} answered 200",
+            canary=c.requests,
+            total=total,
+            share=pct(share),
+            ok=b.ok,
+            sent=b.sent,
+        ),
+        msg(
+            "verify.canary.share_threshold",
+            "{pct} % +- {tolerance:.0f} points, every request counted and answered",
+            pct=CANARY_PCT,
+            tolerance=SHARE_TOLERANCE_POINTS,
+        ),
         abs(share - CANARY_PCT) <= SHARE_TOLERANCE_POINTS and total >= b.ok and b.ok == n,
         burst_ev,
         live_ev,
     )
     r.add(
         "canary error rate",
-        f"{c.error_rate * 100:.2f} % ({c.errors}/{c.requests}); baseline {base.error_rate * 100:.2f} %",
-        f"< {DEFAULT_MAX_ERROR_RATE * 100:.1f} % over at least {plan.min_requests} canary requests",
+        msg(
+            "verify.canary.errors",
+            "{rate:.2f} % ({errors}/{requests}); baseline {base_rate:.2f} %",
+            rate=c.error_rate * 100,
+            errors=c.errors,
+            requests=c.requests,
+            base_rate=base.error_rate * 100,
+        ),
+        msg(
+            "verify.canary.errors_threshold",
+            "< {rate:.1f} % over at least {min_requests} canary requests",
+            rate=DEFAULT_MAX_ERROR_RATE * 100,
+            min_requests=plan.min_requests,
+        ),
         c.requests >= plan.min_requests and c.error_rate < DEFAULT_MAX_ERROR_RATE,
         live_ev,
     )
@@ -136,18 +164,28 @@ def measure(api: Api, r: LayerResult, d: Deployed, name: str, plan: Plan, opts: 
     within = delta <= base.p95_ms * DEFAULT_MAX_P95_INCREASE or delta < DEFAULT_MIN_P95_DELTA_MS
     r.add(
         "canary p95 latency against the baseline",
-        f"canary p95 {c.p95_ms:g} ms, baseline {base.p95_ms:g} ms ({delta:+.1f} ms"
-        + (f", {a.p95_deviation:+.1%}" if base.p95_ms else "")
-        + f"); analysis {a.verdict}",
-        f"within +{DEFAULT_MAX_P95_INCREASE:.0%} of the baseline or +{DEFAULT_MIN_P95_DELTA_MS:g} ms "
-        "(as the rollout analysis)",
+        msg(
+            "verify.canary.p95",
+            "canary p95 {canary:g} ms, baseline {baseline:g} ms ({delta:+.1f} ms{deviation}); analysis {verdict}",
+            canary=c.p95_ms,
+            baseline=base.p95_ms,
+            delta=delta,
+            deviation=f", {a.p95_deviation:+.1%}" if base.p95_ms else "",
+            verdict=a.verdict,
+        ),
+        msg(
+            "verify.canary.p95_threshold",
+            "within +{increase:.0%} of the baseline or +{delta:g} ms (as the rollout analysis)",
+            increase=DEFAULT_MAX_P95_INCREASE,
+            delta=DEFAULT_MIN_P95_DELTA_MS,
+        ),
         within and a.verdict == Verdict.PASSED,
         live_ev,
     )
     api.promote(name)
     try:
         poll(
-            f"the leader to apply the promote of {name}",
+            msg("verify.poll.promote", "the leader to apply the promote of {name}", name=name),
             lambda: _promoted(api.rollout(name)),
             PROMOTE_WAIT_S,
         )
@@ -163,11 +201,27 @@ def measure(api: Api, r: LayerResult, d: Deployed, name: str, plan: Plan, opts: 
     )
     r.add(
         "rollout status consistent with the plan",
-        f"created: step 1 of {STEPS} at {started.weight_pct} % ({started.phase}) with "
-        f"{len(plan.canary_instances)} canary instance serving; after promote: step {after.step + 1} at "
-        f"{after.weight_pct} % ({after.phase}), the leader's analysis {la.verdict or 'none'}: {la.reason}",
-        f"steps {STEPS}: 10 % with 1 canary instance, then after promote 100 % with the analysis "
-        f"{Verdict.PASSED}",
+        msg(
+            "verify.canary.status",
+            "created: step 1 of {steps} at {weight} % ({phase}) with {canaries} canary instance serving; "
+            "after promote: step {step} at {weight_after} % ({phase_after}), the leader's analysis "
+            "{verdict}: {reason}",
+            steps=str(STEPS),
+            weight=started.weight_pct,
+            phase=started.phase,
+            canaries=len(plan.canary_instances),
+            step=after.step + 1,
+            weight_after=after.weight_pct,
+            phase_after=after.phase,
+            verdict=la.verdict or msg("verify.none", "none"),
+            reason=reason_of(la),
+        ),
+        msg(
+            "verify.canary.status_threshold",
+            "steps {steps}: 10 % with 1 canary instance, then after promote 100 % with the analysis {verdict}",
+            steps=str(STEPS),
+            verdict=Verdict.PASSED,
+        ),
         at_start_ok and after_ok,
         before_ev,
         rollout_evidence(after),

@@ -20,6 +20,7 @@ from controlplane.cli.verify.api import Api
 from controlplane.cli.verify.common import Options, text_table
 from controlplane.cli.verify.model import LayerResult, Run
 from kunlun_common.i18n import _, translate
+from kunlun_common.messages import msg, plain
 
 LayerFn = Callable[[Api, Options], LayerResult]
 TITLES = {
@@ -152,7 +153,13 @@ def verify(args: argparse.Namespace) -> int:
                 continue
             if n not in functions:  # asked for and allowed, but not there: that is no pass
                 missing = LayerResult(n, TITLES[n])
-                missing.add("layer implemented", "no", "yes", None, note="not implemented in this version")
+                missing.add(
+                    "layer implemented",
+                    msg("verify.no", "no"),
+                    msg("verify.yes", "yes"),
+                    None,
+                    note="not implemented in this version",
+                )
                 run.layers.append(missing)
                 continue
             _say(args, _("layer {n}: {title} ...").format(n=n, title=translate(TITLES[n])))
@@ -160,7 +167,13 @@ def verify(args: argparse.Namespace) -> int:
                 result = functions[n](api, opts)
             except CliError as e:
                 result = LayerResult(n, TITLES[n])
-                result.add("layer ran to the end", str(e), "no error", None, note="the layer stopped here")
+                result.add(
+                    "layer ran to the end",
+                    plain(str(e)),
+                    msg("verify.no_error", "no error"),
+                    None,
+                    note="the layer stopped here",
+                )
             finally:
                 run.cleanup.extend(api.cleanup())  # each layer leaves the cards free for the next
             run.layers.append(result)
@@ -170,8 +183,8 @@ def verify(args: argparse.Namespace) -> int:
                     _("  [{verdict:5}] {name}: {measured} (threshold {threshold})").format(
                         verdict=c.verdict.upper(),
                         name=translate(c.name),
-                        measured=c.measured,
-                        threshold=c.threshold,
+                        measured=c.shown_measured,
+                        threshold=c.shown_threshold,
                     ),
                 )
     except KeyboardInterrupt:
@@ -179,10 +192,16 @@ def verify(args: argparse.Namespace) -> int:
         ran = {r.layer for r in run.layers}
         for n in [n for n in layers if n not in ran][:1]:
             cut = LayerResult(n, TITLES[n])
-            cut.add("layer ran to the end", "interrupted", "no interruption", None, note="Ctrl-C or SIGTERM")
+            cut.add(
+                "layer ran to the end",
+                msg("verify.interrupted", "interrupted"),
+                msg("verify.no_interruption", "no interruption"),
+                None,
+                note="Ctrl-C or SIGTERM",
+            )
             run.layers.append(cut)
         run.cleanup.extend(api.cleanup())
-        run.cleanup.append("interrupted: the remaining layers did not run")
+        run.cleanup.append(msg("verify.cleanup.interrupted", "interrupted: the remaining layers did not run"))
     finally:
         signal.signal(signal.SIGTERM, old)
     run.finished_unix_ms = int(time.time() * 1000)
@@ -191,10 +210,7 @@ def verify(args: argparse.Namespace) -> int:
         print_json(run.to_json())
     else:
         rows = report.summary_rows(run)
-        shown = [
-            (n, translate(name), measured, threshold, result) for n, name, measured, threshold, result in rows
-        ]
-        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], shown))
+        print(text_table(["LAYER", "CHECKPOINT", "MEASURED", "THRESHOLD", "RESULT"], report.shown_rows(run)))
         for layer in run.layers:
             if layer.skipped:
                 print(
@@ -214,8 +230,8 @@ def verify(args: argparse.Namespace) -> int:
                 count=len(rows),
             )
         )
-        for line in run.cleanup:
-            print(_("cleanup: {line}").format(line=line))
+        for done in run.cleanup:
+            print(_("cleanup: {line}").format(line=report.shown_line(done)))
     for f in written:
         _say(args, _("wrote {path}").format(path=f))
     if interrupted:
@@ -235,5 +251,5 @@ def layer_evidence_lines(run: Run) -> list[str]:
             )
             out.append(head + (f" ({translate(c.note)})" if c.note else ""))
             for e in c.evidence:
-                out.append(f"$ {e.command}\n{e.output.rstrip()}")
+                out.append(f"$ {e.shown_command}\n{e.shown_output.rstrip()}")
     return out

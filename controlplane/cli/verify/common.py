@@ -11,6 +11,7 @@ from controlplane.cli.verify.api import NAME_PREFIX, Api
 from controlplane.cli.verify.model import Evidence, evidence
 from controlplane.cli.views import DEVICE_HEADERS, device_row
 from kunlun_common.api import telemetry_pb2, types_pb2, workload_pb2
+from kunlun_common.messages import Message, msg, msg_list, plain
 
 READY = types_pb2.DEVICE_STATUS_READY
 
@@ -112,3 +113,48 @@ def free_ready(api: Api) -> list[telemetry_pb2.DeviceMetric]:
 
 def pct(x: float) -> str:
     return f"{x:.1f} %"
+
+
+def held_by(held: dict[str, str]) -> Message:
+    """ "DEVICE held by WORKLOAD, ..." for the cards other workloads hold."""
+    return msg_list(
+        "verify.held",
+        "{parts}",
+        [
+            msg("verify.held_by", "{device} held by {workload}", device=d, workload=w)
+            for d, w in sorted(held.items())
+        ],
+        bullet="",
+        sep=", ",
+    )
+
+
+def burst_command(gateway: str, requests: int, concurrency: int) -> Message:
+    """The evidence command of a burst: what `wrk` would be asked."""
+    return msg(
+        "verify.ev.burst",
+        "POST http://{gateway}/v1/chat/completions x{requests}, {concurrency} concurrent",
+        gateway=gateway,
+        requests=requests,
+        concurrency=concurrency,
+    )
+
+
+def busy_threshold() -> Message:
+    return msg("verify.busy_threshold", "held by no workload this run did not create (or --allow-busy)")
+
+
+def cut(m: Message, chars: int) -> Message:
+    """`m`, or its English text cut to `chars` characters (as it is) when it is longer."""
+    text = str(m)
+    return m if len(text) <= chars else plain(text[:chars])
+
+
+def tool_command(command: Sequence[str], node: str) -> Message:
+    """The evidence command of a vendor tool's reading taken on `node` through its agent."""
+    return msg(
+        "verify.ev.tool",
+        "{command}   (on {node}, via kunlun.v1.LedgerService/NodeToolReading)",
+        command=" ".join(command),
+        node=node,
+    )

@@ -11,10 +11,11 @@ import yaml
 
 from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api
-from controlplane.cli.verify.common import READY, Options, devices_evidence, text_table
+from controlplane.cli.verify.common import READY, Options, cut, devices_evidence, text_table, tool_command
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.i18n import _, error_text
+from kunlun_common.messages import Message, msg, msg_list, plain
 from kunlun_common.states import DeviceState
 
 MEMORY_TOLERANCE = 0.05
@@ -30,9 +31,29 @@ def run(api: Api, opts: Options) -> LayerResult:
     not_ready = [d for d in listed if d.status != READY]
     r.add(
         "every declared device Ready",
-        f"{len(listed) - len(not_ready)}/{len(listed)} Ready"
-        + "".join(f"; {d.name} {DeviceState.of(d.status)}: {d.status_reason}" for d in not_ready),
-        f"{len(listed)}/{len(listed)} Ready (none Unknown, Error or Unhealthy)",
+        msg_list(
+            "verify.l1.ready",
+            "{ready}/{total} Ready{parts}",
+            [
+                msg(
+                    "verify.l1.not_ready",
+                    "{name} {state}: {reason}",
+                    name=d.name,
+                    state=DeviceState.of(d.status),
+                    reason=d.status_reason,
+                )
+                for d in not_ready
+            ],
+            bullet="; ",
+            sep="",
+            ready=len(listed) - len(not_ready),
+            total=len(listed),
+        ),
+        msg(
+            "verify.l1.ready_threshold",
+            "{total}/{total} Ready (none Unknown, Error or Unhealthy)",
+            total=len(listed),
+        ),
         bool(listed) and not not_ready,
         ev,
     )
@@ -45,14 +66,16 @@ def run(api: Api, opts: Options) -> LayerResult:
 
 def _memory(api: Api, r: LayerResult, nodes: list[types_pb2.Node]) -> None:
     rows: list[tuple[str, ...]] = []
-    bad: list[str] = []
+    bad: list[Message] = []
     exact = 0
     evs: list[Evidence] = []
     for n in nodes:
         try:
             reading = api.tool_reading(n.name)
         except CliError as e:
-            bad.append(f"{n.name}: no tool reading ({e})")
+            bad.append(
+                msg("verify.l1.no_reading", "{node}: no tool reading ({e})", node=n.name, e=plain(str(e)))
+            )
             evs.append(evidence(f"kunlun.v1.LedgerService/NodeToolReading node={n.name}", str(e)))
             continue
         seen: dict[str, tuple[agent_pb2.ToolReading, agent_pb2.ToolDevice]] = {}
@@ -61,24 +84,28 @@ def _memory(api: Api, r: LayerResult, nodes: list[types_pb2.Node]) -> None:
                 if td.name:
                     seen[td.name] = (rd, td)
             raw = rd.raw_output if not rd.error else rd.error
-            evs.append(
-                evidence(
-                    f"{' '.join(rd.command)}   (on {n.name}, via kunlun.v1.LedgerService/NodeToolReading)",
-                    raw,
-                )
-            )
+            evs.append(evidence(tool_command(list(rd.command), n.name), raw))
         for d in n.devices:
             platform_mb = d.hbm_memory_mb or d.total_memory_mb
             got = seen.get(d.name)
             if got is None:
-                bad.append(f"{d.name}: the vendor tool does not report it")
+                bad.append(
+                    msg("verify.l1.not_reported", "{name}: the vendor tool does not report it", name=d.name)
+                )
                 rows.append((d.name, str(platform_mb), "-", "missing"))
                 continue
             rd, td = got
             tool_mb = td.memory_total_mb
             if tool_mb < 0:
                 rows.append((d.name, str(platform_mb), "N/A", "tool prints no memory"))
-                bad.append(f"{d.name}: {rd.command[0]} prints its memory as unavailable")
+                bad.append(
+                    msg(
+                        "verify.l1.memory_unavailable",
+                        "{name}: {tool} prints its memory as unavailable",
+                        name=d.name,
+                        tool=rd.command[0],
+                    )
+                )
                 continue
             ok = abs(tool_mb - platform_mb) <= MEMORY_TOLERANCE * platform_mb
             exact += tool_mb == platform_mb
@@ -91,17 +118,40 @@ def _memory(api: Api, r: LayerResult, nodes: list[types_pb2.Node]) -> None:
                 )
             )
             if not ok:
-                bad.append(f"{d.name}: platform {platform_mb} MB, {rd.command[0]} {tool_mb} MB")
+                bad.append(
+                    msg(
+                        "verify.l1.memory_differs",
+                        "{name}: platform {platform_mb} MB, {tool} {tool_mb} MB",
+                        name=d.name,
+                        platform_mb=platform_mb,
+                        tool=rd.command[0],
+                        tool_mb=tool_mb,
+                    )
+                )
     total = sum(len(n.devices) for n in nodes)
     matched = sum(1 for row in rows if row[3] in ("equal", "within 5 %"))
     table = evidence(
-        "kunlun-cli verify (platform MEMORY vs vendor tool)",
+        msg("verify.ev.memory_table", "kunlun-cli verify (platform MEMORY vs vendor tool)"),
         text_table(["DEVICE", "PLATFORM MB", "TOOL MB", "RESULT"], rows),
     )
     r.add(
         "memory equal to the vendor tool's figure",
-        f"{matched}/{total} match ({exact} exactly)" + "".join(f"; {b[:200]}" for b in bad[:5]),
-        f"{total}/{total} equal (within the agent's {MEMORY_TOLERANCE:.0%} tolerance)",
+        msg_list(
+            "verify.l1.memory",
+            "{matched}/{total} match ({exact} exactly){parts}",
+            [cut(b, 200) for b in bad[:5]],
+            bullet="; ",
+            sep="",
+            matched=matched,
+            total=total,
+            exact=exact,
+        ),
+        msg(
+            "verify.l1.memory_threshold",
+            "{total}/{total} equal (within the agent's {tolerance:.0%} tolerance)",
+            total=total,
+            tolerance=MEMORY_TOLERANCE,
+        ),
         total > 0 and not bad,
         table,
         *evs,
@@ -138,14 +188,18 @@ def _declared_matrices(files: tuple[str, ...]) -> dict[str, list[list[int]]]:
 
 def _topology(r: LayerResult, nodes: list[types_pb2.Node], declared_files: tuple[str, ...]) -> None:
     declared = _declared_matrices(declared_files)
-    problems: list[str] = []
+    problems: list[Message] = []
     evs: list[Evidence] = []
     for n in nodes:
         m = _matrix(n)
         size = len(m)
         evs.append(
             evidence(
-                f"kunlun-cli node describe {n.name} (topology_distance of each device)",
+                msg(
+                    "verify.ev.topology",
+                    "kunlun-cli node describe {node} (topology_distance of each device)",
+                    node=n.name,
+                ),
                 text_table(
                     ["", *[d.name.split("/", 1)[1] for d in n.devices]],
                     [[d.name.split("/", 1)[1], *row] for d, row in zip(n.devices, m, strict=True)],
@@ -154,29 +208,94 @@ def _topology(r: LayerResult, nodes: list[types_pb2.Node], declared_files: tuple
         )
         for i, row in enumerate(m):
             if len(row) != size:
-                problems.append(f"{n.devices[i].name}: {len(row)} distances for {size} devices")
+                problems.append(
+                    msg(
+                        "verify.l1.row_length",
+                        "{name}: {count} distances for {size} devices",
+                        name=n.devices[i].name,
+                        count=len(row),
+                        size=size,
+                    )
+                )
         if any(len(row) != size for row in m):
             continue
         for i in range(size):
             if m[i][i] != 0:
-                problems.append(f"{n.devices[i].name}: distance to itself {m[i][i]}, expected 0")
+                problems.append(
+                    msg(
+                        "verify.l1.diagonal",
+                        "{name}: distance to itself {distance}, expected 0",
+                        name=n.devices[i].name,
+                        distance=m[i][i],
+                    )
+                )
             for j in range(i + 1, size):
                 if m[i][j] != m[j][i]:
-                    problems.append(f"{n.name}: distance {i}->{j} is {m[i][j]} but {j}->{i} is {m[j][i]}")
+                    problems.append(
+                        msg(
+                            "verify.l1.asymmetric",
+                            "{node}: distance {i}->{j} is {ij} but {j}->{i} is {ji}",
+                            node=n.name,
+                            i=i,
+                            j=j,
+                            ij=m[i][j],
+                            ji=m[j][i],
+                        )
+                    )
                 if m[i][j] < 0:
-                    problems.append(f"{n.name}: negative distance {i}->{j}")
+                    problems.append(
+                        msg("verify.l1.negative", "{node}: negative distance {i}->{j}", node=n.name, i=i, j=j)
+                    )
         if n.name in declared and declared[n.name] != m:
             problems.append(
-                f"{n.name}: graph {json.dumps(m)} differs from the declared {json.dumps(declared[n.name])}"
+                msg(
+                    "verify.l1.differs",
+                    "{node}: graph {graph} differs from the declared {declared}",
+                    node=n.name,
+                    graph=json.dumps(m),
+                    declared=json.dumps(declared[n.name]),
+                )
             )
     unknown = sorted(set(declared) - {n.name for n in nodes})
-    problems.extend(f"{name}: declared (--declared) but not in the cluster" for name in unknown)
+    problems.extend(
+        msg("verify.l1.unknown_node", "{node}: declared (--declared) but not in the cluster", node=name)
+        for name in unknown
+    )
     compared = sorted(set(declared) & {n.name for n in nodes})
     r.add(
         "topology matrix as declared",
-        (f"{len(nodes)} node matrices well formed" if not problems else "; ".join(problems[:5]))
-        + (f"; compared with the declaration of {', '.join(compared)}" if compared else ""),
-        "square, symmetric, zero diagonal" + (", equal to --declared" if declared else ""),
+        msg_list(
+            "verify.l1.topology",
+            "{parts}",
+            [
+                (
+                    msg("verify.l1.well_formed", "{count} node matrices well formed", count=len(nodes))
+                    if not problems
+                    else msg_list("verify.l1.problems", "{parts}", problems[:5], bullet="", sep="; ")
+                ),
+                *(
+                    [
+                        msg(
+                            "verify.l1.compared",
+                            "; compared with the declaration of {nodes}",
+                            nodes=", ".join(compared),
+                        )
+                    ]
+                    if compared
+                    else []
+                ),
+            ],
+            bullet="",
+            sep="",
+        ),
+        (
+            msg(
+                "verify.l1.topology_threshold_declared",
+                "square, symmetric, zero diagonal, equal to --declared",
+            )
+            if declared
+            else msg("verify.l1.topology_threshold", "square, symmetric, zero diagonal")
+        ),
         bool(nodes) and not problems,
         *evs,
         note="" if declared else "give --declared NODE-CONFIG.yaml to compare with the files themselves",

@@ -11,11 +11,14 @@ from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, test_workload
 from controlplane.cli.verify.common import (
     Options,
+    burst_command,
+    busy_threshold,
     foreign_holders,
     free_ready,
     metrics_evidence,
     pct,
     text_table,
+    tool_command,
     workload_evidence,
 )
 from controlplane.cli.verify.deploy import deploy, running_since
@@ -23,6 +26,7 @@ from controlplane.cli.verify.load import MIN_BURST_S, quantile, run_burst
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from controlplane.cli.verify.sampler import Sampler, sampled_burst
 from kunlun_common.i18n import _, error_text
+from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 
 PREPARE_LIMIT_S = 60.0
@@ -49,8 +53,13 @@ def choose_device(api: Api, opts: Options, r: LayerResult) -> str | None:
         if held and not opts.allow_busy:
             r.add(
                 "the card is free",
-                f"{opts.device} held by workload {held[opts.device]}",
-                "held by no workload this run did not create (or --allow-busy)",
+                msg(
+                    "verify.l2.held",
+                    "{device} held by workload {workload}",
+                    device=opts.device,
+                    workload=held[opts.device],
+                ),
+                busy_threshold(),
                 False,
                 metrics_evidence(api.metrics(f"device=={opts.device}"), f"device=={opts.device}"),
                 note="refused: verify does not load cards that serve other workloads",
@@ -61,8 +70,8 @@ def choose_device(api: Api, opts: Options, r: LayerResult) -> str | None:
     if not free:
         r.add(
             "a free Ready card",
-            "none",
-            ">= 1 Ready card held by no workload",
+            msg("verify.none", "none"),
+            msg("verify.l2.free_threshold", ">= 1 Ready card held by no workload"),
             False,
             metrics_evidence(api.metrics(), ""),
             note="refused: every Ready card serves a workload this run did not create",
@@ -97,10 +106,7 @@ def compare_with_tool(api: Api, device: str) -> Pair:
         tool = next((td.utilization_pct for td in rd.devices if td.name == device), -1.0)
         tool_at = rd.sampled_at_unix_ms
         evs.append(
-            evidence(
-                f"{' '.join(rd.command)}   (on {name.node}, via kunlun.v1.LedgerService/NodeToolReading)",
-                rd.raw_output if not rd.error else rd.error,
-            )
+            evidence(tool_command(list(rd.command), name.node), rd.raw_output if not rd.error else rd.error)
         )
     flt = f"device=={device}"
     deadline = time.monotonic() + 2 * MATCH_S
@@ -117,7 +123,10 @@ def compare_with_tool(api: Api, device: str) -> Pair:
 
 def _pairs_table(pairs: list[Pair]) -> Evidence:
     return evidence(
-        "kunlun-cli verify (vendor tool reading, then the platform's sample of that moment)",
+        msg(
+            "verify.ev.pairs",
+            "kunlun-cli verify (vendor tool reading, then the platform's sample of that moment)",
+        ),
         text_table(
             ["TOOL", "PLATFORM", "GAP", "MATCHED"],
             [(pct(p.tool), pct(p.platform), f"{p.gap_s:.1f} s", "yes" if p.matched else "no") for p in pairs],
@@ -149,7 +158,7 @@ def run(api: Api, opts: Options) -> LayerResult:
     r.add(
         "preparation time",
         f"{inst.prepare_seconds:.2f} s",
-        f"< {PREPARE_LIMIT_S:.0f} s",
+        f"< {PREPARE_LIMIT_S:.0f} s",  # a figure and its unit: nothing to translate
         0 < inst.prepare_seconds < PREPARE_LIMIT_S,
         wev,
     )
@@ -158,11 +167,21 @@ def run(api: Api, opts: Options) -> LayerResult:
     ttft = inst.first_token_ms
     r.add(
         "first-token latency",
-        f"{ttft:.1f} ms (the agent's probe); {client_ttft:.1f} ms p50 of 5 streamed requests through the gateway",
+        msg(
+            "verify.l2.first_token",
+            "{ttft:.1f} ms (the agent's probe); {client_ttft:.1f} ms p50 of 5 streamed requests through the gateway",
+            ttft=ttft,
+            client_ttft=client_ttft,
+        ),
         f"< {FIRST_TOKEN_LIMIT_MS:.0f} ms",
         0 < ttft < FIRST_TOKEN_LIMIT_MS and stream.ok == 5 and client_ttft < FIRST_TOKEN_LIMIT_MS,
         wev,
-        evidence(f"POST http://{d.gateway}/v1/chat/completions (stream) x5", stream.summary()),
+        evidence(
+            msg(
+                "verify.ev.stream", "POST http://{gateway}/v1/chat/completions (stream) x5", gateway=d.gateway
+            ),
+            stream.summary(),
+        ),
     )
     n = max(1, opts.requests // 5)
     pairs: list[Pair] = []
@@ -194,13 +213,16 @@ def run(api: Api, opts: Options) -> LayerResult:
     before, peak = sb.before[device], sb.peak(device)
     r.add(
         "utilization peak during the burst",
-        f"{pct(peak)} (before the burst {pct(before)}); burst: {b.summary()}",
-        "> the level before the burst, every request answered 200",
-        peak > before and b.ok == b.sent and b.not_sent == 0,
-        evidence(
-            f"POST http://{d.gateway}/v1/chat/completions x{n}, {min(opts.concurrency, 8)} concurrent",
-            b.summary() + "\n" + "\n".join(b.errors),
+        msg(
+            "verify.l2.peak",
+            "{peak} (before the burst {before}); burst: {burst}",
+            peak=pct(peak),
+            before=pct(before),
+            burst=b.summary(),
         ),
+        msg("verify.l2.peak_threshold", "> the level before the burst, every request answered 200"),
+        peak > before and b.ok == b.sent and b.not_sent == 0,
+        evidence(burst_command(d.gateway, n, min(opts.concurrency, 8)), b.report(always_newline=True)),
         metrics_evidence(sampler.busiest, sampler.flt),
     )
     matched = [p for p in pairs if p.matched]
@@ -208,12 +230,24 @@ def run(api: Api, opts: Options) -> LayerResult:
     r.add(
         "platform utilization vs the vendor tool",
         (
-            f"platform {pct(best.platform)}, tool {pct(best.tool)} ({best.gap_s:.1f} s apart; "
-            f"{len(matched)} of {len(pairs)} readings matched in time)"
+            msg(
+                "verify.l2.agreement",
+                "platform {platform}, tool {tool} ({gap_s:.1f} s apart; {matched} of {tried} readings matched in time)",
+                platform=pct(best.platform),
+                tool=pct(best.tool),
+                gap_s=best.gap_s,
+                matched=len(matched),
+                tried=len(pairs),
+            )
             if best
-            else f"no platform sample within {MATCH_S:.0f} s of a tool reading ({len(pairs)} tried)"
+            else msg(
+                "verify.l2.no_match",
+                "no platform sample within {match_s:.0f} s of a tool reading ({tried} tried)",
+                match_s=MATCH_S,
+                tried=len(pairs),
+            )
         ),
-        f"within {TOOL_AGREEMENT_PCT:.0f} points",
+        msg("verify.l2.agreement_threshold", "within {points:.0f} points", points=TOOL_AGREEMENT_PCT),
         best is not None and _agree(best),
         _pairs_table(pairs),
         *(best or (pairs[-1] if pairs else Pair(-1, -1, 0, []))).evidence,

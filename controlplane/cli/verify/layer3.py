@@ -11,7 +11,10 @@ from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, running, test_workload
 from controlplane.cli.verify.common import (
     Options,
+    burst_command,
+    busy_threshold,
     foreign_holders,
+    held_by,
     metrics_evidence,
     pct,
     text_table,
@@ -21,7 +24,9 @@ from controlplane.cli.verify.deploy import deploy, running_since
 from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
+from controlplane.cli.views import reason_of
 from kunlun_common.i18n import _
+from kunlun_common.messages import msg, msg_list
 
 STDDEV_LIMIT_PCT = 15.0
 
@@ -52,8 +57,8 @@ def run(api: Api, opts: Options) -> LayerResult:
     if held and not opts.allow_busy:
         r.add(
             "the node's cards are free",
-            ", ".join(f"{d} held by {w}" for d, w in sorted(held.items())),
-            "held by no workload this run did not create (or --allow-busy)",
+            held_by(held),
+            busy_threshold(),
             False,
             metrics_evidence(
                 api.metrics(f"node=={node},device_type=={dtype}"), f"node=={node},device_type=={dtype}"
@@ -75,8 +80,16 @@ def run(api: Api, opts: Options) -> LayerResult:
     on_node = [dev for dev in placed if dev in cards]
     r.add(
         "instances on the node's cards",
-        f"{len(on_node)} of {len(cards)} instances on {node}'s {dtype} cards ({', '.join(placed)})",
-        f"{len(cards)} of {len(cards)}, one per card",
+        msg(
+            "verify.l3.placed",
+            "{count} of {total} instances on {node}'s {dtype} cards ({placed})",
+            count=len(on_node),
+            total=len(cards),
+            node=node,
+            dtype=dtype,
+            placed=", ".join(placed),
+        ),
+        msg("verify.l3.placed_threshold", "{total} of {total}, one per card", total=len(cards)),
         on_node == cards,
         wev,
     )
@@ -108,35 +121,71 @@ def run(api: Api, opts: Options) -> LayerResult:
     )
     r.add(
         "utilization standard deviation across the cards",
-        f"{sd:.1f} points (means {', '.join(f'{m:.0f}' for m in means.values())} %)",
-        f"< {STDDEV_LIMIT_PCT:.0f} points, every card busier than before the burst",
+        msg(
+            "verify.l3.stddev",
+            "{sd:.1f} points (means {means} %)",
+            sd=sd,
+            means=", ".join(f"{m:.0f}" for m in means.values()),
+        ),
+        msg(
+            "verify.l3.stddev_threshold",
+            "< {limit:.0f} points, every card busier than before the burst",
+            limit=STDDEV_LIMIT_PCT,
+        ),
         sd < STDDEV_LIMIT_PCT and bool(means) and all(sb.peak(dev) > sb.before[dev] for dev in placed),
-        evidence("kunlun-cli telemetry metrics --watch (sampled every 0.5 s during the burst)", table),
+        evidence(
+            msg(
+                "verify.ev.watch",
+                "kunlun-cli telemetry metrics --watch (sampled every 0.5 s during the burst)",
+            ),
+            table,
+        ),
         metrics_evidence(sampler.busiest, sampler.flt),
     )
     after = api.workload(spec.name)
     restarted = [
-        f"{i.id}: {i.restarts - restarts_before.get(i.id, 0)} restarts"
+        msg(
+            "verify.l3.restarts",
+            "{id}: {count} restarts",
+            id=i.id,
+            count=i.restarts - restarts_before.get(i.id, 0),
+        )
         for i in after.instances
         if i.restarts != restarts_before.get(i.id, 0)
     ]
     oom = [
-        f"{i.id}: {i.reason}"
+        msg("verify.l3.oom", "{id}: {reason}", id=i.id, reason=reason_of(i))
         for i in after.instances
         if "oom" in i.reason.lower() or "memory" in i.reason.lower()
     ]
-    not_running = [f"{i.id} {i.phase}" for i in after.instances if i.phase != "Running"]
+    not_running = [
+        msg("verify.l3.not_running", "{id} {phase}", id=i.id, phase=i.phase)
+        for i in after.instances
+        if i.phase != "Running"
+    ]
     problems = restarted + oom + not_running
     r.add(
         "burst answered without OOM or timeout",
-        f"{b.ok}/{b.sent} answered 200, {b.timeouts} timeouts, {b.not_sent} not sent; "
-        + ("; ".join(problems) if problems else "no instance restarted or OOM-killed"),
-        f"{opts.requests}/{opts.requests} answered 200, 0 timeouts, no restart or OOM",
-        b.ok == opts.requests and not problems,
-        evidence(
-            f"POST http://{d.gateway}/v1/chat/completions x{opts.requests}, {opts.concurrency} concurrent",
-            b.summary() + ("\n" + "\n".join(b.errors) if b.errors else ""),
+        msg(
+            "verify.l3.burst",
+            "{ok}/{sent} answered 200, {timeouts} timeouts, {not_sent} not sent; {problems}",
+            ok=b.ok,
+            sent=b.sent,
+            timeouts=b.timeouts,
+            not_sent=b.not_sent,
+            problems=(
+                msg_list("verify.l3.problems", "{parts}", problems, bullet="", sep="; ")
+                if problems
+                else msg("verify.l3.no_problems", "no instance restarted or OOM-killed")
+            ),
         ),
+        msg(
+            "verify.l3.burst_threshold",
+            "{requests}/{requests} answered 200, 0 timeouts, no restart or OOM",
+            requests=opts.requests,
+        ),
+        b.ok == opts.requests and not problems,
+        evidence(burst_command(d.gateway, opts.requests, opts.concurrency), b.report()),
         workload_evidence(after),
     )
     return r

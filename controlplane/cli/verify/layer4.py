@@ -6,12 +6,21 @@ from __future__ import annotations
 
 from controlplane.cli.client import CliError
 from controlplane.cli.verify.api import Api, running, test_workload
-from controlplane.cli.verify.common import Options, foreign_holders, metrics_evidence, pct, workload_evidence
+from controlplane.cli.verify.common import (
+    Options,
+    busy_threshold,
+    foreign_holders,
+    held_by,
+    metrics_evidence,
+    pct,
+    workload_evidence,
+)
 from controlplane.cli.verify.deploy import deploy, running_since
 from controlplane.cli.verify.load import MIN_BURST_S, run_burst
 from controlplane.cli.verify.model import LayerResult, evidence
 from controlplane.cli.verify.sampler import sampled_burst
 from kunlun_common.i18n import _
+from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 
 PREFERRED = ["cambricon", "ascend"]
@@ -28,8 +37,8 @@ def run(api: Api, opts: Options) -> LayerResult:
     if held and not opts.allow_busy:
         r.add(
             "the cambricon cards are free",
-            ", ".join(f"{d} held by {w}" for d, w in sorted(held.items())),
-            "held by no workload this run did not create (or --allow-busy)",
+            held_by(held),
+            busy_threshold(),
             False,
             metrics_evidence(api.metrics(FILTER), FILTER),
             note="refused: verify does not load cards that serve other workloads",
@@ -45,14 +54,25 @@ def run(api: Api, opts: Options) -> LayerResult:
     wev = workload_evidence(d.summary)
     r.add(
         "the int8 workload lands on cambricon",
-        f"{types.count('cambricon')} of {spec.replicas} instances on cambricon ({', '.join(placed)})",
-        f"{spec.replicas} of {spec.replicas} (preferred_device_types {PREFERRED})",
+        msg(
+            "verify.l4.on_cambricon",
+            "{count} of {replicas} instances on cambricon ({placed})",
+            count=types.count("cambricon"),
+            replicas=spec.replicas,
+            placed=", ".join(placed),
+        ),
+        msg(
+            "verify.l4.on_cambricon_threshold",
+            "{replicas} of {replicas} (preferred_device_types {preferred})",
+            replicas=spec.replicas,
+            preferred=str(PREFERRED),
+        ),
         types.count("cambricon") == spec.replicas,
         wev,
     )
     r.add(
         "none of its instances on ascend",
-        f"{types.count('ascend')} on ascend",
+        msg("verify.l4.on_ascend", "{count} on ascend", count=types.count("ascend")),
         "0",
         types.count("ascend") == 0,
         wev,
@@ -81,12 +101,21 @@ def run(api: Api, opts: Options) -> LayerResult:
     mine = [m for m in sampler.busiest if m.workload == spec.name]
     r.add(
         "telemetry device_type==cambricon shows the load",
-        f"{len(shown)} of {len(served)} cards busier during the burst ("
-        + ", ".join(f"{dev} {pct(sb.before[dev])} -> {pct(peak_rows[dev])}" for dev in served)
-        + f"); {len(mine)} rows of the filter name the workload",
-        f"{len(served)} of {len(served)} busier, every card of the workload in the filtered view",
+        msg(
+            "verify.l4.load",
+            "{count} of {total} cards busier during the burst ({cards}); {rows} rows of the filter name the workload",
+            count=len(shown),
+            total=len(served),
+            cards=", ".join(f"{dev} {pct(sb.before[dev])} -> {pct(peak_rows[dev])}" for dev in served),
+            rows=len(mine),
+        ),
+        msg(
+            "verify.l4.load_threshold",
+            "{total} of {total} busier, every card of the workload in the filtered view",
+            total=len(served),
+        ),
         len(shown) == len(served) and len(mine) == len(served) and b.ok == b.sent,
         metrics_evidence(sampler.busiest, FILTER),
-        evidence(f"POST http://{d.gateway}/v1/chat/completions x{n}", b.summary()),
+        evidence(f"POST http://{d.gateway}/v1/chat/completions x{n}", b.summary()),  # the command as is
     )
     return r

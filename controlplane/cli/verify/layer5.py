@@ -20,11 +20,12 @@ from controlplane.cli import replica_cmd
 from controlplane.cli.client import CliError
 from controlplane.cli.verify import canary
 from controlplane.cli.verify.api import NAME_PREFIX, Api, test_workload
-from controlplane.cli.verify.common import Options, free_ready, metrics_evidence, text_table
+from controlplane.cli.verify.common import Options, free_ready, held_by, metrics_evidence, text_table
 from controlplane.cli.verify.deploy import deploy
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from kunlun_common.api import cluster_pb2
 from kunlun_common.i18n import _
+from kunlun_common.messages import Message, msg, msg_list
 
 HANDOVER_LIMIT_MS = 10_000
 """Another replica must lead this soon after the drain call (two leader lease TTLs and more)."""
@@ -50,7 +51,7 @@ class Watch:
     moved_after_s: float | None = None
     placement: str = ""
     not_ready: Counter[str] = field(default_factory=Counter)
-    log: list[str] = field(default_factory=list)
+    log: list[Message] = field(default_factory=list)
 
 
 def status_evidence(status: dict[str, cluster_pb2.ReplicaInfo], leader: str) -> Evidence:
@@ -67,8 +68,10 @@ def refuse_busy(api: Api, opts: Options, r: LayerResult) -> bool:
         return False
     r.add(
         "the cluster serves no workload of others",
-        ", ".join(f"{d} held by {w}" for d, w in sorted(held.items())),
-        "no card held by a workload this run did not create (or --allow-busy)",
+        held_by(held),
+        msg(
+            "verify.l5.busy_threshold", "no card held by a workload this run did not create (or --allow-busy)"
+        ),
         False,
         metrics_evidence(rows, ""),
         note="refused: layer 5 drains a replica and sends a burst through the gateways that serve them",
@@ -133,14 +136,28 @@ def drain_checkpoints(
     exited = w.gone_after_s is not None and resp.pid == old.pid
     r.add(
         "replica drained through the operator call and exited",
-        f"{target} (pid {resp.pid}, {'leader' if resp.was_leader else 'follower'}) answered in "
-        f"{answered_s:.1f} s, {resp.streams_ended} agent/gateway streams sent elsewhere; "
-        + (
-            f"left the registry {w.gone_after_s:.1f} s after the call"
-            if exited
-            else "did NOT leave the registry"
+        msg(
+            "verify.l5.drained",
+            "{target} (pid {pid}, {role}) answered in {answered_s:.1f} s, {streams} agent/gateway streams "
+            "sent elsewhere; {left}",
+            target=target,
+            pid=resp.pid,
+            role=msg("verify.l5.leader", "leader")
+            if resp.was_leader
+            else msg("verify.l5.follower", "follower"),
+            answered_s=answered_s,
+            streams=resp.streams_ended,
+            left=(
+                msg(
+                    "verify.l5.left",
+                    "left the registry {after_s:.1f} s after the call",
+                    after_s=w.gone_after_s,
+                )
+                if exited
+                else msg("verify.l5.not_left", "did NOT leave the registry")
+            ),
         ),
-        "answers the drain, then its process exits",
+        msg("verify.l5.drained_threshold", "answers the drain, then its process exits"),
         exited,
         before_ev,
         drain_ev,
@@ -148,8 +165,17 @@ def drain_checkpoints(
     if resp.was_leader:
         r.add(
             "leadership handed over",
-            f"{resp.leader or 'nobody'} leads {resp.handover_ms} ms after the call",
-            f"another replica leads within {HANDOVER_LIMIT_MS // 1000} s",
+            msg(
+                "verify.l5.handover",
+                "{leader} leads {handover_ms} ms after the call",
+                leader=resp.leader or msg("verify.l5.nobody", "nobody"),
+                handover_ms=resp.handover_ms,
+            ),
+            msg(
+                "verify.l5.handover_threshold",
+                "another replica leads within {limit_s} s",
+                limit_s=HANDOVER_LIMIT_MS // 1000,
+            ),
             bool(resp.leader) and resp.leader != target and resp.handover_ms <= HANDOVER_LIMIT_MS,
             drain_ev,
         )
@@ -157,47 +183,115 @@ def drain_checkpoints(
         now = api.leader()
         r.add(
             "leadership unchanged (a follower was drained)",
-            f"{now or 'nobody'} leads (was {leader})",
-            f"{leader} still leads",
+            msg(
+                "verify.l5.leader_now",
+                "{now} leads (was {leader})",
+                now=now or msg("verify.l5.nobody", "nobody"),
+                leader=leader,
+            ),
+            msg("verify.l5.still_leads", "{leader} still leads", leader=leader),
             now == leader,
             drain_ev,
         )
     log_ev = evidence(
-        "kunlun-cli workload list; kunlun-cli cluster status (every 0.5 s)", "\n".join(w.log[-40:])
+        msg("verify.ev.watch_log", "kunlun-cli workload list; kunlun-cli cluster status (every 0.5 s)"),
+        msg_list("verify.l5.log", "{parts}", w.log[-40:], bullet="", sep="\n"),
     )
     r.add(
         "workload list complete while the replica was away",
-        f"{w.complete_reads}/{w.reads} reads held all {len(before_names)} workloads "
-        f"({w.reads_while_away} of them before the new process served)"
-        + (f"; missing: {', '.join(f'{n} x{c}' for n, c in w.missing.items())}" if w.missing else ""),
-        f"every read holds the {len(before_names)} workloads of before; at least one read while away",
+        msg_list(
+            "verify.l5.reads",
+            "{complete}/{reads} reads held all {count} workloads ({away} of them before the new process "
+            "served){parts}",
+            [
+                msg(
+                    "verify.l5.missing",
+                    "; missing: {names}",
+                    names=", ".join(f"{n} x{c}" for n, c in w.missing.items()),
+                )
+            ]
+            if w.missing
+            else [],
+            bullet="",
+            sep="",
+            complete=w.complete_reads,
+            reads=w.reads,
+            count=len(before_names),
+            away=w.reads_while_away,
+        ),
+        msg(
+            "verify.l5.reads_threshold",
+            "every read holds the {count} workloads of before; at least one read while away",
+            count=len(before_names),
+        ),
         w.reads > 0 and w.complete_reads == w.reads and w.reads_while_away > 0,
         log_ev,
     )
     r.add(
         "agents and gateways moved to other replicas",
-        f"on {target} before: {', '.join(on_target) or 'none'}; "
-        + (
-            f"after {w.moved_after_s:.1f} s: {w.placement}"
-            if w.moved_after_s is not None
-            else f"not seen: {w.placement}"
-        )
-        + (
-            f"; NotReady seen: {', '.join(f'{n} x{c}' for n, c in w.not_ready.items())}"
-            if w.not_ready
-            else ""
+        msg_list(
+            "verify.l5.moved",
+            "on {target} before: {before}; {parts}",
+            [
+                (
+                    msg(
+                        "verify.l5.moved_after",
+                        "after {after_s:.1f} s: {placement}",
+                        after_s=w.moved_after_s,
+                        placement=w.placement,
+                    )
+                    if w.moved_after_s is not None
+                    else msg("verify.l5.not_moved", "not seen: {placement}", placement=w.placement)
+                ),
+                *(
+                    [
+                        msg(
+                            "verify.l5.not_ready",
+                            "; NotReady seen: {nodes}",
+                            nodes=", ".join(f"{n} x{c}" for n, c in w.not_ready.items()),
+                        )
+                    ]
+                    if w.not_ready
+                    else []
+                ),
+            ],
+            bullet="",
+            sep="",
+            target=target,
+            before=", ".join(on_target) or msg("verify.none", "none"),
         ),
-        f"no agent or gateway on {target} within {MOVED_TIMEOUT_S:.0f} s, every node Ready throughout",
+        msg(
+            "verify.l5.moved_threshold",
+            "no agent or gateway on {target} within {timeout_s:.0f} s, every node Ready throughout",
+            target=target,
+            timeout_s=MOVED_TIMEOUT_S,
+        ),
         w.moved_after_s is not None and not w.not_ready,
         log_ev,
     )
     back = w.back
     r.add(
         "the replica restarted",
-        f"{target} serves again as pid {back.pid} (was {old.pid}) {w.back_after_s:.1f} s after the call"
+        msg(
+            "verify.l5.back",
+            "{target} serves again as pid {pid} (was {old_pid}) {after_s:.1f} s after the call",
+            target=target,
+            pid=back.pid,
+            old_pid=old.pid,
+            after_s=w.back_after_s,
+        )
         if back is not None
-        else f"{target} did not serve again within {RESTART_TIMEOUT_S:.0f} s",
-        f"a new process serving within {RESTART_TIMEOUT_S:.0f} s (its service manager restarts it)",
+        else msg(
+            "verify.l5.not_back",
+            "{target} did not serve again within {timeout_s:.0f} s",
+            target=target,
+            timeout_s=RESTART_TIMEOUT_S,
+        ),
+        msg(
+            "verify.l5.back_threshold",
+            "a new process serving within {timeout_s:.0f} s (its service manager restarts it)",
+            timeout_s=RESTART_TIMEOUT_S,
+        ),
         back is not None and back.pid != old.pid,
         status_evidence(replica_cmd.replicas(api.client), api.leader()),
     )
@@ -237,9 +331,20 @@ def watch(api: Api, target: str, old_pid: int, names: set[str], t0: float) -> Wa
         if w.moved_after_s is None and not on and (w.gone_after_s is not None):
             w.moved_after_s = at
         w.log.append(
-            f"+{at:5.1f} s  workloads {len(listed & names)}/{len(names)}  {target}: "
-            + (f"pid {info.pid}" if info else "not registered")
-            + f"  [{w.placement}]"
+            msg(
+                "verify.l5.log_line",
+                "+{at:5.1f} s  workloads {seen}/{count}  {target}: {state}  [{placement}]",
+                at=at,
+                seen=len(listed & names),
+                count=len(names),
+                target=target,
+                state=(
+                    msg("verify.l5.pid", "pid {pid}", pid=info.pid)
+                    if info
+                    else msg("verify.l5.not_registered", "not registered")
+                ),
+                placement=w.placement,
+            )
         )
         if (
             w.back is None

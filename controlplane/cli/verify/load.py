@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httptools
 
 from kunlun_common.i18n import _
+from kunlun_common.messages import Message, msg, msg_list, plain
 
 MIN_BURST_S = 6.0
 """The layers' bursts are spread over at least this long: tools sample about every second and the
@@ -50,16 +51,32 @@ class BurstResult:
     def error_rate(self) -> float:
         return (self.sent - self.ok) / self.sent if self.sent else 0.0
 
-    def summary(self) -> str:
+    def summary(self) -> Message:
+        """What the burst did, one line (status codes as they are: `timeout`, `conn-error`, 200, ...)."""
         codes = ", ".join(
             f"{'timeout' if k == -1 else ('conn-error' if k == 0 else k)}: {v}"
             for k, v in sorted(self.statuses.items())
         )
-        return (
-            f"sent {self.sent} (not sent {self.not_sent}) in {self.wall_s:.1f} s; statuses {{{codes}}}; "
-            f"p50 {quantile(self.latencies_ms, 0.5):.1f} ms, p95 {quantile(self.latencies_ms, 0.95):.1f} ms, "
-            f"max {max(self.latencies_ms, default=0.0):.1f} ms"
+        return msg(
+            "verify.burst",
+            "sent {sent} (not sent {not_sent}) in {wall_s:.1f} s; statuses {{{codes}}}; "
+            "p50 {p50:.1f} ms, p95 {p95:.1f} ms, max {max:.1f} ms",
+            sent=self.sent,
+            not_sent=self.not_sent,
+            wall_s=self.wall_s,
+            codes=codes,
+            p50=quantile(self.latencies_ms, 0.5),
+            p95=quantile(self.latencies_ms, 0.95),
+            max=max(self.latencies_ms, default=0.0),
         )
+
+    def report(self, always_newline: bool = False) -> Message:
+        """The summary, then the first error lines (as they are), one a line (`always_newline`: a
+        line break after the summary also when there are none)."""
+        if not self.errors and not always_newline:
+            return self.summary()
+        lines = [plain(e) for e in self.errors] or [plain("")]
+        return msg_list("verify.burst_errors", "{parts}", [self.summary(), *lines], bullet="", sep="\n")
 
 
 def quantile(values: list[float], q: float) -> float:

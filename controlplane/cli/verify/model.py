@@ -10,7 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kunlun_common.i18n import localize
+from kunlun_common.messages import Message
+
 MAX_EVIDENCE_CHARS = 4000
+
+Text = str | Message
+"""A measured value, threshold or evidence text: a Message (with an id, translated where it is shown:
+the terminal and report.md) or a text without words to translate (a number, a list of names, JSON).
+report.json keeps the English text."""
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_EVIDENCE_CHARS else text[:MAX_EVIDENCE_CHARS] + "\n... (cut)"
+
+
+def shown(english: str, m: Message | None) -> str:
+    """`english` in the reader's language: its message's translation when it has one."""
+    return localize(m, english) if m is not None else english
 
 
 @dataclass(frozen=True)
@@ -21,14 +38,30 @@ class Evidence:
     """A command an engineer can run to see the same thing (kunlun-cli ..., or the RPC called)."""
     output: str
     """What it returned, as text."""
+    command_msg: Message | None = None
+    """The command with its description (e.g. "(on node-a, via ...)") as a message, when it has one."""
+    output_msg: Message | None = None
+    """The output as a message, when it is text the verify run wrote (a burst's summary, a log)."""
+
+    @property
+    def shown_command(self) -> str:
+        return shown(self.command, self.command_msg)
+
+    @property
+    def shown_output(self) -> str:
+        return _cut(shown(self.output, self.output_msg)) if self.output_msg is not None else self.output
 
     def to_json(self) -> dict[str, str]:
         return {"command": self.command, "output": self.output}
 
 
-def evidence(command: str, output: str) -> Evidence:
-    text = output if len(output) <= MAX_EVIDENCE_CHARS else output[:MAX_EVIDENCE_CHARS] + "\n... (cut)"
-    return Evidence(command, text)
+def evidence(command: Text, output: Text) -> Evidence:
+    return Evidence(
+        str(command),
+        _cut(str(output)),
+        command if isinstance(command, Message) else None,
+        output if isinstance(output, Message) else None,
+    )
 
 
 @dataclass
@@ -45,6 +78,17 @@ class Checkpoint:
     """None: could not be measured (see `note`); counts as a failure."""
     evidence: list[Evidence] = field(default_factory=list)
     note: str = ""
+    measured_msg: Message | None = None
+    """`measured` as a message (translated where it is shown), when it has words."""
+    threshold_msg: Message | None = None
+
+    @property
+    def shown_measured(self) -> str:
+        return shown(self.measured, self.measured_msg)
+
+    @property
+    def shown_threshold(self) -> str:
+        return shown(self.threshold, self.threshold_msg)
 
     @property
     def verdict(self) -> str:
@@ -95,13 +139,23 @@ class LayerResult:
     def add(
         self,
         name: str,
-        measured: str,
-        threshold: str,
+        measured: Text,
+        threshold: Text,
         passed: bool | None,
         *ev: Evidence,
         note: str = "",
     ) -> Checkpoint:
-        cp = Checkpoint(self.layer, name, measured, threshold, passed, list(ev), note)
+        cp = Checkpoint(
+            self.layer,
+            name,
+            str(measured),
+            str(threshold),
+            passed,
+            list(ev),
+            note,
+            measured if isinstance(measured, Message) else None,
+            threshold if isinstance(threshold, Message) else None,
+        )
         self.checkpoints.append(cp)
         return cp
 
@@ -125,14 +179,18 @@ class Run:
     started_unix_ms: int
     endpoints: list[str]
     layers: list[LayerResult] = field(default_factory=list)
-    cleanup: list[str] = field(default_factory=list)
+    cleanup: list[Text] = field(default_factory=list)
     """What the run created and removed again (or failed to remove: the line says so)."""
     finished_unix_ms: int = 0
 
     @property
     def passed(self) -> bool:
         ran = [r for r in self.layers if not r.skipped]
-        return bool(ran) and all(r.passed for r in ran) and not any("NOT removed" in c for c in self.cleanup)
+        return (
+            bool(ran)
+            and all(r.passed for r in ran)
+            and not any("NOT removed" in str(c) for c in self.cleanup)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,5 +199,5 @@ class Run:
             "finished_unix_ms": self.finished_unix_ms,
             "endpoints": self.endpoints,
             "layers": [r.to_json() for r in self.layers],
-            "cleanup": self.cleanup,
+            "cleanup": [str(c) for c in self.cleanup],
         }

@@ -9,17 +9,31 @@ import time
 from pathlib import Path
 
 from controlplane.cli.verify import svg
-from controlplane.cli.verify.model import LayerResult, Run
-from kunlun_common.i18n import _, translate
+from controlplane.cli.verify.model import LayerResult, Run, Text
+from kunlun_common.i18n import _, localize, translate
 
 
 def summary_rows(run: Run) -> list[tuple[str, str, str, str, str]]:
-    """(layer, checkpoint, measured, threshold, result) for every checkpoint."""
+    """(layer, checkpoint, measured, threshold, result) for every checkpoint, in English."""
     return [
         (str(c.layer), c.name, c.measured, c.threshold, c.verdict.upper())
         for layer in run.layers
         for c in layer.checkpoints
     ]
+
+
+def shown_rows(run: Run) -> list[tuple[str, str, str, str, str]]:
+    """The summary rows in the reader's language (result words stay as they are)."""
+    return [
+        (str(c.layer), translate(c.name), c.shown_measured, c.shown_threshold, c.verdict.upper())
+        for layer in run.layers
+        for c in layer.checkpoints
+    ]
+
+
+def shown_line(line: Text) -> str:
+    """A cleanup line in the reader's language."""
+    return line if isinstance(line, str) else localize(line)
 
 
 def _cell(text: str) -> str:
@@ -55,8 +69,9 @@ def _write(path: Path, text: str) -> None:
 
 def write(run: Run, out: Path) -> list[Path]:
     """Write the report into `out` (created); the files written. report.md and the pictures are in the
-    reader's language (checkpoint names, titles, labels; measured values, thresholds and evidence as
-    measured); report.json stays English."""
+    reader's language (checkpoint names, titles, labels, measured values, thresholds, the texts of
+    the evidence and the cleanup lines; tables and tools' output as they are); report.json stays
+    English."""
     out.mkdir(parents=True, exist_ok=True)
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_unix_ms / 1000))
     verdict = "PASS" if run.passed else "FAIL"
@@ -71,8 +86,8 @@ def write(run: Run, out: Path) -> list[Path]:
         "|---|---|---|---|---|",
     ]
     md += [
-        f"| {n} | {_cell(translate(name))} | {_cell(measured)} | {_cell(threshold)} | {result} |"
-        for n, name, measured, threshold, result in summary_rows(run)
+        f"| {n} | {_cell(name)} | {_cell(measured)} | {_cell(threshold)} | {result} |"
+        for n, name, measured, threshold, result in shown_rows(run)
     ]
     md += [
         _("| {layer} | (skipped) | {reason} | | SKIPPED |").format(
@@ -94,16 +109,16 @@ def write(run: Run, out: Path) -> list[Path]:
             md += [
                 f"### {translate(c.name)}: {c.verdict.upper()}",
                 "",
-                _("- measured: {measured}").format(measured=c.measured),
-                _("- threshold: {threshold}").format(threshold=c.threshold),
+                _("- measured: {measured}").format(measured=c.shown_measured),
+                _("- threshold: {threshold}").format(threshold=c.shown_threshold),
             ]
             if c.note:
                 md.append(_("- note: {note}").format(note=translate(c.note)))
             for e in c.evidence:
-                md += ["", f"`{e.command}`", "", "```", e.output.rstrip(), "```"]
+                md += ["", f"`{e.shown_command}`", "", "```", e.shown_output.rstrip(), "```"]
             md.append("")
     if run.cleanup:
-        md += ["", _("## Cleanup"), ""] + [f"- {line}" for line in run.cleanup]
+        md += ["", _("## Cleanup"), ""] + [f"- {shown_line(line)}" for line in run.cleanup]
     _write(out / "report.md", "\n".join(md) + "\n")
     _write(out / "report.json", json.dumps(run.to_json(), indent=2) + "\n")
     return [out / "report.md", out / "report.json", *files]
