@@ -440,9 +440,7 @@ def _leaves(node: ast.expr) -> list[ast.expr]:
     return [node]
 
 
-def unmarked_source(
-    text: str, source: str, replica: bool, config: bool = False, kind: str = ""
-) -> list[str]:
+def unmarked_source(text: str, source: str, replica: bool, config: bool = False, kind: str = "") -> list[str]:
     """The unmarked user-facing texts of one module, as 'file:line: text' (`config`: a module of the
     device-plugin config loader, CONFIG_MODULES; `kind` "verify": kunlun-cli verify's shown texts,
     VERIFY_SHOWN; "reason": a module that stores reasons, REASON_MODULES)."""
