@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from controlplane.cli.config import ClientConfig, default_path, write_client_config
-from devcluster.cluster import ClusterSpec, LocalCluster, stop_from_state
+from devcluster.cluster import ClusterSpec, LocalCluster, kept_ports, stop_from_state
 from kunlun_common.pki import paths_for
 
 DEMO_REPLICA_PORTS = (50051, 50052, 50053)
@@ -17,12 +17,22 @@ DEMO_ETCD_PORTS = ((23791, 23801), (23792, 23802), (23793, 23803))
 
 
 def up(base: Path, free_ports: bool = False) -> int:
+    kept = kept_ports(base)
     if (base / "cluster.json").exists():
         stopped = stop_from_state(base)
         if stopped:
             print(f"stopped the previous local cluster ({len(stopped)} processes)")
     # the demo's logs are for people: readable lines (production and the tests keep JSON)
-    if free_ports:
+    if free_ports and kept is not None:
+        # etcd's members keep the peer URLs they were created with: start on the same ports again
+        spec = ClusterSpec(
+            base_dir=base,
+            replica_ports=kept[1],
+            etcd_ports=kept[0],
+            log_format="console",
+            supervise_replicas=True,
+        )
+    elif free_ports:
         spec = ClusterSpec(base_dir=base, log_format="console", supervise_replicas=True)
     else:
         spec = ClusterSpec(

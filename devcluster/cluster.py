@@ -377,15 +377,28 @@ class LocalCluster:
         return any(n.name == node and n.ready for n in resp.nodes)
 
     def devices_available(self, node: str) -> bool:
-        """Whether `node` is Ready and none of its devices is still Unavailable."""
+        """Whether `node` is Ready and, on every running replica, none of its devices is Unavailable.
+
+        Asked with ListDevices (what `kunlun-cli device list` shows) of each replica in turn: each
+        answers from its own watch of etcd, and the demo prints from whichever the CLI reaches."""
         resp = self.call_any("ListNodes", cluster_pb2.ListNodesRequest())
         assert isinstance(resp, cluster_pb2.ListNodesResponse)
-        return any(
-            n.name == node
-            and n.ready
-            and all(d.status != types_pb2.DEVICE_STATUS_UNAVAILABLE for d in n.devices)
-            for n in resp.nodes
-        )
+        if not any(n.name == node and n.ready for n in resp.nodes):
+            return False
+        for name, addr in self.replica_addrs.items():
+            if not self.replicas[name].alive():
+                continue
+            with self.channel(addr) as ch:
+                try:
+                    devs = cluster_pb2_grpc.ClusterServiceStub(ch).ListDevices(
+                        cluster_pb2.ListDevicesRequest(node=node), timeout=5.0
+                    )
+                except grpc.RpcError:
+                    return False
+            mine = [d for d in devs.devices if d.node == node]
+            if not mine or any(d.status == types_pb2.DEVICE_STATUS_UNAVAILABLE for d in mine):
+                return False
+        return True
 
     def leader(self) -> str:
         resp = self.call_any("ClusterStatus", cluster_pb2.ClusterStatusRequest())
@@ -408,6 +421,9 @@ class LocalCluster:
             "gateways": self.gateway_addrs,
             "metrics": self.metrics_addrs,
             "etcd": list(self.etcd.endpoints),
+            # the ports to start on again over this state (etcd's members keep their peer URLs)
+            "etcd_ports": [[m.client_port, m.peer_port] for m in self.etcd.members],
+            "replica_ports": [int(a.rsplit(":", 1)[1]) for a in self.replica_addrs.values()],
         }
         (self.base / "cluster.json").write_text(json.dumps(data, indent=2))
 
@@ -415,6 +431,20 @@ class LocalCluster:
         stop_all([*self.gateways.values(), *self.agents.values()])
         stop_all([*self.replicas.values()])
         stop_all([m.proc for m in self.etcd.members])
+
+
+def kept_ports(base: Path) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """The (etcd (client, peer), replica) ports recorded in base/cluster.json when etcd data is kept
+    there (replica ports: empty when none had started); None when there is no such state (or it
+    predates the recorded ports)."""
+    path = base / "cluster.json"
+    if not path.exists() or not any((base / "etcd").glob("*/data/member")):
+        return None
+    data = json.loads(path.read_text())
+    etcd, replicas = data.get("etcd_ports"), data.get("replica_ports")
+    if not etcd:
+        return None
+    return tuple((int(c), int(p)) for c, p in etcd), tuple(int(r) for r in replicas or ())
 
 
 def stop_from_state(base: Path, timeout: float = 15.0) -> list[str]:

@@ -1,5 +1,6 @@
 """The launcher behind `make demo` / `make down`: up prints all devices Ready and its processes log
-readable lines, down leaves nothing."""
+readable lines, a second up over the kept state (a second `make demo`) starts on the same ports and
+prints every device Ready again, down leaves nothing."""
 
 from __future__ import annotations
 
@@ -12,23 +13,39 @@ from pathlib import Path
 from devcluster.procs import pid_alive
 
 
-def test_up_then_down_leaves_no_process(tmp_path: Path) -> None:
+def test_up_twice_then_down_leaves_no_process(tmp_path: Path) -> None:
     base = tmp_path / "kc"
     env = {**os.environ, "KUNLUN_CONFIG": str(tmp_path / "client.yaml")}
-    up = subprocess.run(
-        [sys.executable, "-m", "devcluster", "up", "--dir", str(base), "--free-ports"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+
+    def up() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "devcluster", "up", "--dir", str(base), "--free-ports"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+
+    first = up()
+    pids: dict[str, int] = {}
     try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert "[5/5] client config written" in up.stdout
+        assert first.returncode == 0, first.stdout + first.stderr
+        first_pids = json.loads((base / "cluster.json").read_text())["pids"]
+        first_ports = json.loads((base / "cluster.json").read_text())["etcd_ports"]
+        # a second `make demo` over the kept state: the earlier processes stopped, the same etcd
+        # members started again on their recorded ports, every device printed Ready (not the
+        # Unavailable of the earlier run's records)
+        out = up()
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "stopped the previous local cluster (11 processes)" in out.stdout, out.stdout
+        assert not any(pid_alive(p) for p in first_pids.values())
+        assert json.loads((base / "cluster.json").read_text())["etcd_ports"] == first_ports
+        assert "[5/5] client config written" in out.stdout
         # make demo prints every process's metrics address (replicas, agents, gateways)
-        assert up.stdout.count("/metrics") == 8 and "monitoring/prometheus.crt" in up.stdout, up.stdout
-        rows = [line for line in up.stdout.splitlines() if line.startswith("node-")]
-        assert len(rows) == 7 and all(" Ready " in r for r in rows), up.stdout
+        assert out.stdout.count("/metrics") == 8 and "monitoring/prometheus.crt" in out.stdout, out.stdout
+        for run in (first, out):
+            rows = [line for line in run.stdout.splitlines() if line.startswith("node-")]
+            assert len(rows) == 7 and all(" Ready " in r for r in rows), run.stdout
         pids = json.loads((base / "cluster.json").read_text())["pids"]
         assert len(pids) == 11 and all(
             pid_alive(p) for p in pids.values()
