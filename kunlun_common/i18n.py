@@ -13,7 +13,8 @@ kunlun-gateway print (their settings and flag validators raise them with message
 problem of a device-plugin config (node_agent/plugins/config.py), kunlun-cli verify's measured values,
 thresholds and evidence descriptions (report.md too), the describe commands' field labels, and the
 reasons replicas store on instances and rollouts with a message beside them (`reason_message`,
-kunlun_common/messages.py `to_stored`). What is not: `-o json` output, table columns and values,
+kunlun_common/messages.py `to_stored`), the scheduler's per-node reasons (the code stays, its
+explanation is translated: controlplane/scheduler/reasons.py) and `workload describe`'s spec labels. What is not: `-o json` output, table columns and values,
 and log event names (scripts and log pipelines read them).
 
 Mark a user-facing string with `_()` (or `ngettext`, `pgettext`) at the point of use, never at

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kunlun_common.messages import Message, msg
+
 
 @dataclass(frozen=True)
 class VendorName:
@@ -18,8 +20,14 @@ class VendorName:
 
     type_name: str
     """Device type: lowercase letters, the `<type>` of device names and the module node_agent/vendors/<type>.py."""
-    sglang_refusal: str = ""
-    """Why `engine: sglang` cannot run on this vendor (said at submit); empty when SGLang can run on it."""
+    sglang_refusal_message: Message | None = None
+    """Why `engine: sglang` cannot run on this vendor (said at submit, and by the scheduler's
+    UnsupportedEngine), as a message; None when SGLang can run on it."""
+
+    @property
+    def sglang_refusal(self) -> str:
+        """`sglang_refusal_message`'s English text; empty when SGLang can run on this vendor."""
+        return "" if self.sglang_refusal_message is None else str(self.sglang_refusal_message)
 
 
 VENDOR_NAMES: tuple[VendorName, ...] = (
@@ -27,7 +35,12 @@ VENDOR_NAMES: tuple[VendorName, ...] = (
     VendorName("cambricon"),
     VendorName("hygon"),
     VendorName("nvidia"),
-    VendorName("iluvatar", sglang_refusal="upstream SGLang has no Iluvatar CoreX device"),
+    VendorName(
+        "iluvatar",
+        sglang_refusal_message=msg(
+            "vendor.iluvatar.no_sglang", "upstream SGLang has no Iluvatar CoreX device"
+        ),
+    ),
 )
 DEVICE_TYPES = tuple(v.type_name for v in VENDOR_NAMES)
 # the company behind each device type (the `vendor` label of device metrics)
@@ -49,6 +62,11 @@ class DeviceName:
 def sglang_refusal(device_type: str) -> str:
     """Why `engine: sglang` cannot run on `device_type` ("" when it can, or when the type is unknown)."""
     return next((v.sglang_refusal for v in VENDOR_NAMES if v.type_name == device_type), "")
+
+
+def sglang_refusal_message(device_type: str) -> Message | None:
+    """`sglang_refusal` as a message (None when SGLang can run on `device_type`, or the type is unknown)."""
+    return next((v.sglang_refusal_message for v in VENDOR_NAMES if v.type_name == device_type), None)
 
 
 def device_name(node: str, device_type: str, index: int) -> str:

@@ -5,18 +5,23 @@ reason or a measured value written as plain English; every describe field has a 
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from controlplane.cli.views import describe_labels, describe_lines, device_json, node_json, shown_reason
+from controlplane.cli.workload_cmd import spec_labels
 from controlplane.feeds import overlay
+from controlplane.scheduler import filters
 from controlplane.scheduler.actions import set_reason
-from controlplane.scheduler.reconcile import blocked_message, blocked_reason
+from controlplane.scheduler.reasons import reason_message
+from controlplane.scheduler.reconcile import blocked_message, blocked_reason, bounded_reasons
+from controlplane.workloads.spec import spec_json
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
 from kunlun_common.i18n import localize
-from kunlun_common.messages import msg
+from kunlun_common.messages import msg, plain
 from scripts import i18n as tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,9 +55,50 @@ def test_blocked_reason_and_its_message_agree(monkeypatch: pytest.MonkeyPatch) -
     both = {"node-a": "InsufficientMemory (needs 9 MB, 1 free)", "node-b": "NoFreeDevice"}
     assert (
         localize(blocked_message(both))
-        == "node-a：InsufficientMemory (needs 9 MB, 1 free); node-b：NoFreeDevice"
+        == "node-a：内存不足（InsufficientMemory：需要 9 MB，可用 1 MB）; node-b：没有空闲设备（NoFreeDevice）"
     )
     assert localize(blocked_message({"node-a": "NoFreeDevice"})) == "没有空闲设备（NoFreeDevice）"
+    many = bounded_reasons({f"node-{i:02}": "NodeCordoned" for i in range(40)})
+    assert "(37 more nodes)" in blocked_reason(many)
+    assert "（另有 37 个节点）：节点已封锁（NodeCordoned）" in localize(blocked_message(many))
+
+
+def test_every_filter_reason_reads_back_as_its_own_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each code of the feasibility stack and each formatter's text: a message (not a bare text)
+    whose English text is the reason, byte for byte; translated, the code stays and the explanation
+    is Chinese. Any other text is shown as it is."""
+    texts = [
+        *(f.reason for f in filters.FILTERS),
+        filters.NO_FREE_DEVICE,
+        filters.INSUFFICIENT_DEVICES,
+        filters.unsupported_dtype("int8", ("fp16", "bf16")),
+        filters.unsupported_dtype("fp8", ()),
+        filters.insufficient_memory(40000, 32768),
+        filters.too_hot(91.5, 85),
+        filters.too_hot(85, 85),
+        filters.insufficient_devices(5, 4),
+    ]
+    texts.append("UnsupportedEngine (sglang on iluvatar: upstream SGLang has no Iluvatar CoreX device)")
+    ids = set()
+    for text in texts:
+        m = reason_message(text)
+        assert m.id != "text" and str(m) == text, (text, m)
+        ids.add(m.id)
+    assert len(ids) == len(set(texts)) - 1  # one message per form (the two UnsupportedDtype lists share one)
+    assert reason_message("SomethingNew (from a newer replica)") == plain(
+        "SomethingNew (from a newer replica)"
+    )
+    assert reason_message("InsufficientMemory (needs lots)").id == "text"
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    for text in texts:
+        shown = localize(reason_message(text))
+        code = text.split(" ", 1)[0]
+        assert code in shown and shown != text and re.search(r"[\u4e00-\u9fff]", shown), (text, shown)
+    engine = localize(reason_message(texts[-1]))
+    assert (
+        engine
+        == "不支持该引擎（UnsupportedEngine：sglang 无法在 iluvatar 上运行：上游 SGLang 不支持天数智芯 CoreX 设备）"
+    )
 
 
 def test_every_describe_field_has_a_label(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,3 +129,12 @@ def test_a_planted_english_reason_or_measured_value_fails_the_scan(tmp_path: Pat
     found = tool.unmarked(tmp_path)
     assert len(found) == 4, found
     assert {f.split(":", 1)[0] for f in found} == set(planted)
+
+
+def test_every_spec_field_has_a_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`workload describe`'s spec lines: in English the JSON key as always, under zh_CN a Chinese label."""
+    keys = set(spec_json(workload_pb2.WorkloadSpec()))
+    assert {k: v for k, v in spec_labels().items() if k in keys} == {k: k for k in keys}
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    labels = spec_labels()
+    assert keys <= set(labels) and all(re.search(r"[\u4e00-\u9fff]", labels[k]) for k in keys)

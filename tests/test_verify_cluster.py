@@ -274,17 +274,41 @@ def test_stored_reasons_in_chinese(cluster: LocalCluster, cli: Any) -> None:
     English otherwise, and `-o json` keeps the English text."""
     wait_for(lambda: all_ready(cluster), 120, "every device Ready")
     submit(cluster, name="tenant", model="m", replicas=1, pin="node-b/cambricon:1", memory_per_device_mb=1024)
-    submit(cluster, name="toobig", model="m", replicas=1, memory_per_device_mb=10**7)
+    toobig = ("workload", "submit", "--name", "toobig", "--model", "m", "--memory-per-device-mb", "10000000")
+    made = cli(*toobig, lang="zh_CN.UTF-8")
+    assert made.returncode == 0 and re.fullmatch(r"工作负载 toobig（w-[0-9a-f]+）已创建\n", made.stdout), made
+    again = cli(*toobig, "-o", "json", lang="zh_CN.UTF-8")  # JSON keeps the English result
+    assert json.loads(again.stdout)["result"] == "unchanged", again
     wait_for(lambda: placed(cluster, "tenant"), 60, "tenant placed")
     wait_for(lambda: get(cluster, "toobig").instances[0].unplaced_reasons, 60, "toobig told why")
     big = get(cluster, "toobig").instances[0]
     assert big.reason_message and big.reason.startswith("node-a: "), big.reason
     zh, en = cli("workload", "describe", "toobig", lang="zh_CN.UTF-8"), cli("workload", "describe", "toobig")
     assert zh.returncode == 0 and en.returncode == 0, (zh.stderr, en.stderr)
-    assert f": []  {big.reason}\n" in en.stdout and "waiting for placement" in en.stdout
-    zh_reason = big.reason.replace("node-a: ", "node-a：").replace("node-b: ", "node-b：")
-    assert f": []  {zh_reason}\n" in zh.stdout and "等待调度" in zh.stdout, zh.stdout
-    assert "waiting for placement" not in zh.stdout
+    assert f"target_devices: []  {big.reason}\n" in en.stdout and "waiting for placement" in en.stdout
+    # the filters' codes stay, their explanations are Chinese: per node and in the instance's reason
+    free = {
+        n: re.fullmatch(r"InsufficientMemory \(needs 10000000 MB, (\d+) free\)", r)
+        for n, r in big.unplaced_reasons.items()
+    }
+    assert set(free) >= {"node-a", "node-b"} and all(free.values()), big.unplaced_reasons
+    zh_nodes = [
+        f"{n}：内存不足（InsufficientMemory：需要 10000000 MB，可用 {m[1]} MB）"
+        for n, m in sorted(free.items())
+        if m
+    ]
+    assert f"目标设备：[]  {'; '.join(zh_nodes)}\n" in zh.stdout, zh.stdout
+    assert all(f"\n      {line}\n" in zh.stdout for line in zh_nodes), zh.stdout
+    assert all(f"\n      {n}: {r}\n" in en.stdout for n, r in big.unplaced_reasons.items()), en.stdout
+    assert "等待调度" in zh.stdout and "waiting for placement" not in zh.stdout and "needs" not in zh.stdout
+    # the spec's labels, and who wrote each history line
+    assert (
+        "\n  memory_per_device_mb: 10000000\n" in en.stdout and "  Submitted  by operator:admin" in en.stdout
+    )
+    assert (
+        "\n  每设备内存 (MB)：10000000\n  副本数：1\n" in zh.stdout
+        and "  Submitted  由 operator:admin" in zh.stdout
+    )
 
     # a rollout, promoted before its analysis has the requests it needs, then aborted
     def rollouts(method: str, req: Any) -> rollout_pb2.Rollout:

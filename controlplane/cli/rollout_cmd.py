@@ -253,7 +253,12 @@ def status(args: argparse.Namespace) -> int:
         _print_analysis(a)
     for h, event in zip(d["history"], r.history, strict=True):
         at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-        print(f"  {at}  {h['phase']:<12} by {h['by']}  {shown_reason(event)}")
+        print(
+            "  "
+            + _("{at}  {phase:<12} by {by}  {reason}").format(
+                at=at, phase=h["phase"], by=h["by"], reason=shown_reason(event)
+            )
+        )
     return 0
 
 

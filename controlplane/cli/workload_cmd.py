@@ -11,9 +11,10 @@ from typing import Any
 from controlplane.cli.client import CliError
 from controlplane.cli.output import print_json, print_table
 from controlplane.cli.views import shown_reason
+from controlplane.scheduler.reasons import node_reason_message
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
-from kunlun_common.i18n import _, error_text
+from kunlun_common.i18n import _, error_text, localize, pgettext
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -145,8 +146,56 @@ def submit(args: argparse.Namespace) -> int:
             }
         )
     else:
-        print(_("workload {name} ({id}) {result}").format(name=w.spec.name, id=w.id, result=resp.result))
+        print(
+            _("workload {name} ({id}) {result}").format(
+                name=w.spec.name, id=w.id, result=submit_results().get(resp.result, resp.result)
+            )
+        )
     return 0
+
+
+def submit_results() -> dict[str, str]:
+    """What a submit did (the response's `result`, kept as it is in `-o json`), in the reader's language."""
+    return {
+        "created": pgettext("submit result", "created"),
+        "updated": pgettext("submit result", "updated"),
+        "unchanged": pgettext("submit result", "unchanged"),
+    }
+
+
+def spec_labels() -> dict[str, str]:
+    """The labels `workload describe` shows before each spec field, by its JSON key, in the reader's
+    language (in English: the key itself, as always)."""
+    return {
+        "name": pgettext("spec", "name"),
+        "model": pgettext("spec", "model"),
+        "engine": pgettext("spec", "engine"),
+        "command_template": pgettext("spec", "command_template"),
+        "quantization": pgettext("spec", "quantization"),
+        "dtype": pgettext("spec", "dtype"),
+        "devices_per_instance": pgettext("spec", "devices_per_instance"),
+        "memory_per_device_mb": pgettext("spec", "memory_per_device_mb"),
+        "replicas": pgettext("spec", "replicas"),
+        "priority": pgettext("spec", "priority"),
+        "preferred_device_types": pgettext("spec", "preferred_device_types"),
+        "pin": pgettext("spec", "pin"),
+        "max_concurrency": pgettext("spec", "max_concurrency"),
+        "batch_size": pgettext("spec", "batch_size"),
+        "require_p2p": pgettext("spec", "require_p2p"),
+        "engine_args": pgettext("spec", "engine_args"),
+        "env": pgettext("spec", "env"),
+        "package": pgettext("spec", "package"),
+        "fencing": pgettext("spec", "fencing"),
+        "max_surge": pgettext("spec", "max_surge"),
+        "max_unavailable": pgettext("spec", "max_unavailable"),
+    }
+
+
+def _history_line(h: dict[str, Any], event: workload_pb2.PhaseEvent) -> str:
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
+    return _("{at}  {phase:<10} by {by}  {reason}").format(
+        at=at, phase=h["phase"], by=h["by"], reason=shown_reason(event)
+    )
 
 
 def _age(ms: int) -> str:
@@ -263,9 +312,10 @@ def describe(args: argparse.Namespace) -> int:
             )
         )
     print(_("Spec:"))
+    labels = spec_labels()
     for k, v in d["spec"].items():
         if v not in ("", 0, [], {}, False, None) or (v == 0 and k in ("max_surge", "max_unavailable")):
-            print(f"  {k}: {v}")
+            print(_("  {label}: {value}").format(label=labels.get(k, k), value=v))
     print(_("Instances:"))
     for i, inst in zip(d["instance_details"], s.instances, strict=True):
         print(
@@ -279,7 +329,7 @@ def describe(args: argparse.Namespace) -> int:
             )
         )
         for node, why in i["unplaced_reasons"].items():
-            print(f"      {node}: {why}")
+            print("      " + localize(node_reason_message(node, why)))
         if i["endpoint"]:
             print(
                 _("      endpoint: {endpoint}  pid: {pid}  restarts: {restarts}").format(
@@ -298,12 +348,10 @@ def describe(args: argparse.Namespace) -> int:
                 )
             )
         for h, event in list(zip(i["history"], inst.history, strict=True))[-5:]:
-            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-            print(f"      {at}  {h['phase']:<10} by {h['by']}  {shown_reason(event)}")
+            print("      " + _history_line(h, event))
     print(_("History:"))
     for h, event in zip(d["history"], s.workload.history, strict=True):
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["at_unix_ms"] / 1000))
-        print(f"  {at}  {h['phase']:<10} by {h['by']}  {shown_reason(event)}")
+        print("  " + _history_line(h, event))
     return 0
 
 

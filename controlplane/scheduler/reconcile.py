@@ -32,6 +32,7 @@ from controlplane.scheduler.actions import (
 from controlplane.scheduler.canary import CANARY, canary_count
 from controlplane.scheduler.model import PendingInstance, Placement, Unplaced
 from controlplane.scheduler.plan import schedule
+from controlplane.scheduler.reasons import more_nodes, node_reason_message
 from controlplane.scheduler.rolling import observed_phase, rolling_units
 from controlplane.scheduler.snapshot import ClusterState, graph_snapshot, queue_inputs, workload_req
 from controlplane.store.contract import KV, Compare, DeleteOp, Op
@@ -129,10 +130,7 @@ def blocked_message(reasons: dict[str, str]) -> Message:
     return msg_list(
         "instance.blocked",
         "{parts}",
-        [
-            msg("instance.node_reason", "{node}: {reason}", node=n, reason=r)
-            for n, r in sorted(reasons.items())[:MAX_REASON_NODES]
-        ],
+        [node_reason_message(n, r) for n, r in sorted(reasons.items())[:MAX_REASON_NODES]],
         bullet="",
         sep="; ",
     )
@@ -151,7 +149,7 @@ def bounded_reasons(reasons: dict[str, str]) -> dict[str, str]:
         for node in nodes[:3]:
             out[node] = why
         if len(nodes) > 3:
-            out[f"({len(nodes) - 3} more nodes)"] = why
+            out[more_nodes(len(nodes) - 3)] = why
     return out
 
 

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from kunlun_common.api import workload_pb2
 from kunlun_common.errors import ConfigError
 from kunlun_common.messages import Message, msg, msg_list
-from kunlun_common.names import DEVICE_TYPES, sglang_refusal
+from kunlun_common.names import DEVICE_TYPES, sglang_refusal_message
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 PACKAGE_RE = re.compile(r"^(?P<name>[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?)@sha256:[0-9a-f]{64}$")
@@ -171,13 +171,14 @@ def validate(spec: workload_pb2.WorkloadSpec) -> list[Message]:
     if spec.engine == "sglang":
         named = [*spec.preferred_device_types, *([m["type"]] if (m := PIN_RE.match(spec.pin)) else [])]
         for t in dict.fromkeys(named):
-            if sglang_refusal(t):
+            refusal = sglang_refusal_message(t)
+            if refusal is not None:
                 p.append(
                     msg(
                         "spec.engine_sglang_cannot_run",
                         "engine: sglang cannot run on {t} devices: {sglang_refusal}; use engine: template",
                         t=t,
-                        sglang_refusal=sglang_refusal(t),
+                        sglang_refusal=refusal,
                     )
                 )
     if spec.pin:
