@@ -248,7 +248,7 @@ def test_backup_wipe_restore_and_the_cluster_serves_again(
     wait_for(lambda: all(c.node_ready(n) for n in c.agents), 60, "the node Ready after the forced restore")
     wait_for(lambda: c.leader() in c.replicas, 60, "a leader after the forced restore")
     wait_for(
-        lambda: {w.workload.spec.name for w in workloads(c)} == {"chat", "embed"},
+        lambda: {w.workload.id for w in workloads(c)} == {chat.id, embed.id} != {extra.id},
         60,
         "only the backed-up workloads",
     )
