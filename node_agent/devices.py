@@ -29,10 +29,18 @@ from pathlib import Path
 import structlog
 
 from kunlun_common.api import agent_pb2, types_pb2
+from kunlun_common.messages import Message, msg
 from node_agent.plugins.config import NodeConfig
 from node_agent.plugins.contract import DevicePlugin
 from node_agent.plugins.remote import PluginRegistry, RemotePlugin
-from node_agent.plugins.vendor_plugin import ToolSample, VendorPlugin, device_from_decl, plugins_for
+from node_agent.plugins.vendor_plugin import (
+    ToolSample,
+    VendorPlugin,
+    device_from_decl,
+    joined,
+    plugins_for,
+    set_reason,
+)
 from node_agent.simulation import simulated_mode
 
 log = structlog.get_logger("devices")
@@ -55,12 +63,16 @@ class DeviceManager:
         self.remote_types: set[str] = set()  # types served out of process (now or before it died)
         self.registry: PluginRegistry | None = None
         self.tool_errors: dict[str, str] = {}
+        """Why a vendor's tool (or its out-of-process plugin) cannot be used now, by device type."""
+        self.tool_error_messages: dict[str, Message] = {}
+        """The same as messages (for the reader's language)."""
         self._devices: dict[str, types_pb2.Device] = {}
         for d in config.devices:
             dev = device_from_decl(config, d, d.device_type)
             if d.device_type not in self.plugins:
                 dev.status = ERROR
-                dev.status_reason = "; ".join(str(p) for p in d.errors) or f"no plugin for {d.device_type}"
+                no_plugin = msg("device.no_plugin", "no plugin for {device_type}", device_type=d.device_type)
+                set_reason(dev, joined([p.message() for p in d.errors]) or no_plugin)
             self._devices[dev.name] = dev
 
     # ------------------------------------------------------------------------------------ sampling
@@ -87,12 +99,16 @@ class DeviceManager:
         return runs
 
     def _absorb(self, plugin: VendorPlugin) -> None:
-        error = plugin.tool_error
-        if error is None:
-            self.tool_errors.pop(plugin.device_type, None)
-        else:
-            self.tool_errors[plugin.device_type] = error
+        self._tool_error(plugin.device_type, plugin.tool_error_message)
         self._merge(plugin.device_type, plugin.name, plugin.devices())
+
+    def _tool_error(self, device_type: str, error: Message | None) -> None:
+        if error is None:
+            self.tool_errors.pop(device_type, None)
+            self.tool_error_messages.pop(device_type, None)
+        else:
+            self.tool_errors[device_type] = str(error)
+            self.tool_error_messages[device_type] = error
 
     def _merge(self, device_type: str, plugin: str, reported: list[types_pb2.Device]) -> None:
         by_name = {d.name: d for d in reported}
@@ -103,10 +119,20 @@ class DeviceManager:
             dev.plugin = plugin
             if got is None:
                 dev.status = ERROR
-                dev.status_reason = f"plugin {plugin} does not report {name}, declared in {self.config.path}"
+                set_reason(
+                    dev,
+                    msg(
+                        "device.not_reported",
+                        "plugin {plugin} does not report {name}, declared in {path}",
+                        plugin=plugin,
+                        name=name,
+                        path=self.config.path,
+                    ),
+                )
                 dev.ClearField("telemetry")
                 continue
             dev.status, dev.status_reason = got.status, got.status_reason
+            dev.status_reason_message = got.status_reason_message  # the plugin's message, if it sent one
             dev.telemetry.CopyFrom(got.telemetry)
         if by_name:
             log.warning("plugin reports undeclared devices; ignored", plugin=plugin, devices=sorted(by_name))
@@ -119,7 +145,11 @@ class DeviceManager:
     def samples(self) -> list[agent_pb2.DeviceSample]:
         return [
             agent_pb2.DeviceSample(
-                name=dev.name, telemetry=dev.telemetry, status=dev.status, status_reason=dev.status_reason
+                name=dev.name,
+                telemetry=dev.telemetry,
+                status=dev.status,
+                status_reason=dev.status_reason,
+                status_reason_message=dev.status_reason_message,
             )
             for dev in self._devices.values()
         ]
@@ -158,13 +188,14 @@ class DeviceManager:
                 type=plugin.device_type,
             )
         self.remote_types.add(plugin.device_type)
-        self.tool_errors.pop(plugin.device_type, None)
+        self._tool_error(plugin.device_type, None)
         self._merge(plugin.device_type, plugin.name, devices)
 
-    def _on_remote_gone(self, plugin: RemotePlugin, reason: str) -> None:
+    def _on_remote_gone(self, plugin: RemotePlugin, reason: Message) -> None:
         self.remote_types.add(plugin.device_type)
-        self.tool_errors[plugin.device_type] = reason
+        self._tool_error(plugin.device_type, reason)
         for dev in self._devices.values():
             if dev.device_type == plugin.device_type:
-                dev.status, dev.status_reason = UNAVAILABLE, reason
+                dev.status = UNAVAILABLE
+                set_reason(dev, reason)
                 dev.ClearField("telemetry")

@@ -13,6 +13,11 @@ but not found, which config file).
 
 Exit status: 0 when every declared device is Ready, 1 when some are not (Error, Unhealthy), 2 when
 the file cannot be used (or the arguments are wrong). `-o json` prints one JSON document instead.
+
+Every line is a message (`kunlun_common.messages`): printed in the reader's language (`LANG=zh_CN.UTF-8`:
+Chinese; the help and argparse's own errors too), while `-o json` keeps every text in English (its `log`,
+`problems`, `why`, the devices' `status_reason`), as scripts read it. The table's columns and statuses
+stay as they are; its reasons are translated.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
 from kunlun_common.api import types_pb2
+from kunlun_common.i18n import _, bind_global_domain, localize
 from kunlun_common.logs import setup_logging
+from kunlun_common.messages import Message, from_stored, msg, of_error, plain
 from node_agent.devices import DeviceManager
 from node_agent.plugins.config import ConfigFileError, DeviceDecl, NodeConfig, load_config
 from node_agent.plugins.contract import status_name
@@ -40,143 +46,329 @@ from node_agent.vendors.base import format_command
 
 EXIT_OK, EXIT_UNUSABLE, EXIT_INVALID = 0, 1, 2
 REASON_WIDTH = 100  # the table shortens reasons to this (not with --verbose); the summary has them whole
-Say = Callable[[str], None]
-MEMORY_UNAVAILABLE = "memory unavailable (declared size unchecked)"
 
 
-def _indent(text: str, prefix: str = "      | ") -> str:
-    return "\n".join(prefix + line for line in text.rstrip("\n").splitlines()) or prefix + "(no output)"
+class Report:
+    """Where the probe's lines go: printed at once in the reader's language (text output), or kept in
+    English for `-o json`'s `log`."""
+
+    def __init__(self, english: bool) -> None:
+        self.english = english
+        self.lines: list[str] = []
+
+    def text(self, m: Message) -> str:
+        return str(m) if self.english else localize(m)
+
+    def say(self, m: Message, indent: str = "") -> None:
+        """One line: `m` after `indent`."""
+        self.raw(indent + self.text(m))
+
+    def raw(self, line: str) -> None:
+        """A line that is not a sentence (a tool's output, a table row made of values and texts)."""
+        if self.english:
+            self.lines.append(line)
+        else:
+            print(line)
 
 
-def _decl_line(config: NodeConfig, d: DeviceDecl) -> str:
-    memory = d.hbm_memory_mb or d.total_memory_mb
-    row = "[" + ", ".join(str(x) for x in d.topology_distance) + "]" if d.topology_distance else "none"
-    return (
-        f"{config.device_name(d)}: declared at {config.path}:{d.line}: type {d.device_type}, index "
-        f"{d.device_id}, model {d.model or '?'}, {memory} MB, p2p {'on' if d.p2p_enabled else 'off'}, "
-        f"topology row {row}"
+def _memory(mb: int | None) -> Message:
+    if mb is None:
+        return msg("probe.memory_unavailable", "memory unavailable (declared size unchecked)")
+    return msg("probe.memory_mb", "{mb} MB", mb=mb)
+
+
+def _reason(dev: types_pb2.Device) -> Message | None:
+    """A device's reason as the message its plugin set (its text as is when it set none)."""
+    if not dev.status_reason:
+        return None
+    return from_stored(dev.status_reason_message, dev.status_reason) or plain(dev.status_reason)
+
+
+def _raw_output(text: str, out: Report) -> None:
+    lines = text.rstrip("\n").splitlines()
+    for line in lines:
+        out.raw("      | " + line)
+    if not lines:
+        out.say(msg("probe.no_output", "(no output)"), "      | ")
+
+
+def _decl_line(config: NodeConfig, d: DeviceDecl) -> Message:
+    row = "[" + ", ".join(str(x) for x in d.topology_distance) + "]" if d.topology_distance else None
+    return msg(
+        "probe.declared",
+        "{device}: declared at {path}:{line}: type {device_type}, index {index}, model {model}, {memory} MB, "
+        "p2p {p2p}, topology row {row}",
+        device=config.device_name(d),
+        path=config.path,
+        line=d.line,
+        device_type=d.device_type,
+        index=d.device_id,
+        model=d.model or "?",
+        memory=d.hbm_memory_mb or d.total_memory_mb,
+        p2p=msg("probe.on", "on") if d.p2p_enabled else msg("probe.off", "off"),
+        row=row or msg("probe.no_row", "none"),
     )
 
 
-def _describe_run(plugin: VendorPlugin, run: ToolSample, verbose: bool, say: Say) -> None:
-    where = run.executable or "not found on PATH"
-    say(f"  {plugin.device_type}: running `{format_command(run.command)}` ({where})")
+def _describe_run(plugin: VendorPlugin, run: ToolSample, verbose: bool, out: Report) -> None:
+    out.say(
+        msg(
+            "probe.running",
+            "{device_type}: running `{command}` ({where})",
+            device_type=plugin.device_type,
+            command=format_command(run.command),
+            where=run.executable or msg("probe.not_on_path", "not found on PATH"),
+        ),
+        "  ",
+    )
     if run.tool != plugin.adapter.tool:
-        say(f"    ({plugin.adapter.tool} is not on PATH: {run.tool} runs instead)")
+        out.say(
+            msg(
+                "probe.fallback",
+                "({tool} is not on PATH: {ran} runs instead)",
+                tool=plugin.adapter.tool,
+                ran=run.tool,
+            ),
+            "    ",
+        )
     if run.error is not None:
-        say(f"    -> failed after {run.duration_s:.2f} s: {run.error}")
+        out.say(
+            msg(
+                "probe.tool_failed",
+                "-> failed after {seconds:.2f} s: {error}",
+                seconds=run.duration_s,
+                error=of_error(run.error),
+            ),
+            "    ",
+        )
     else:
-        say(f"    -> ok in {run.duration_s:.2f} s: {len(run.observed)} device(s) reported")
+        out.say(
+            msg(
+                "probe.tool_ok",
+                "-> ok in {seconds:.2f} s: {count} device(s) reported",
+                seconds=run.duration_s,
+                count=len(run.observed),
+            ),
+            "    ",
+        )
         for o in sorted(run.observed, key=lambda o: o.index):
-            memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
-            say(f"       index {o.index}: model {o.model!r}, {memory}, health {o.health}")
+            out.say(
+                msg(
+                    "probe.reported",
+                    "index {index}: model {model!r}, {memory}, health {health}",
+                    index=o.index,
+                    model=o.model,
+                    memory=_memory(o.memory_total_mb),
+                    health=o.health,
+                ),
+                "       ",
+            )
     if verbose:
-        say("    raw output:")
-        say(_indent(run.raw_output))
+        out.say(msg("probe.raw_output", "raw output:"), "    ")
+        _raw_output(run.raw_output, out)
 
 
-def _describe_device(manager: DeviceManager, d: DeviceDecl, dev: types_pb2.Device, say: Say) -> None:
-    say(f"  {dev.name}: built from the declaration at {manager.config.path}:{d.line}")
+def _describe_device(manager: DeviceManager, d: DeviceDecl, dev: types_pb2.Device, out: Report) -> None:
+    out.say(
+        msg(
+            "probe.built",
+            "{device}: built from the declaration at {path}:{line}",
+            device=dev.name,
+            path=manager.config.path,
+            line=d.line,
+        ),
+        "  ",
+    )
     plugin = manager.plugins.get(d.device_type)
     verdict = plugin.verdicts.get(dev.name) if plugin is not None else None
     if verdict is not None and verdict.observed is not None:
         o = verdict.observed
-        memory = MEMORY_UNAVAILABLE if o.memory_total_mb is None else f"{o.memory_total_mb} MB"
-        say(
-            f"    {plugin.tool if plugin else '?'} index {o.index}: model {o.model!r}, {memory}, "
-            f"health {o.health}, {o.utilization_pct or 0:g}% busy, {o.memory_used_mb or 0} MB used"
+        out.say(
+            msg(
+                "probe.observed",
+                "{tool} index {index}: model {model!r}, {memory}, health {health}, {busy:g}% busy, "
+                "{used} MB used",
+                tool=plugin.tool if plugin else "?",
+                index=o.index,
+                model=o.model,
+                memory=_memory(o.memory_total_mb),
+                health=o.health,
+                busy=o.utilization_pct or 0,
+                used=o.memory_used_mb or 0,
+            ),
+            "    ",
         )
     for problem in d.errors:
-        say(f"    problem: {problem}")
-    reason = dev.status_reason
+        out.say(msg("probe.problem", "problem: {problem}", problem=problem.message()), "    ")
+    reason = _reason(dev)
+    tool_error = manager.tool_error_messages.get(d.device_type)
     if d.errors:
-        reason = f"its declaration has {len(d.errors)} problem(s), listed above"
-    elif reason and reason == manager.tool_errors.get(d.device_type):
-        reason = f"{plugin.tool if plugin else 'the tool'} could not be used, see step 3"
-    say(f"    -> {status_name(dev.status)}" + (f" ({reason})" if reason else ""))
+        reason = msg(
+            "probe.declaration_problems",
+            "its declaration has {count} problem(s), listed above",
+            count=len(d.errors),
+        )
+    elif reason is not None and tool_error is not None and dev.status_reason == str(tool_error):
+        reason = msg(
+            "probe.tool_unusable",
+            "{tool} could not be used, see step 3",
+            tool=plugin.tool if plugin else msg("probe.the_tool", "the tool"),
+        )
+    status = status_name(dev.status)
+    if reason is None:
+        out.say(msg("probe.status", "-> {status}", status=status), "    ")
+    else:
+        out.say(msg("probe.status_reason", "-> {status} ({reason})", status=status, reason=reason), "    ")
 
 
 def _short(text: str, verbose: bool) -> str:
     return text if verbose or len(text) <= REASON_WIDTH else text[: REASON_WIDTH - 3] + "..."
 
 
-def _table(devices: list[types_pb2.Device], verbose: bool) -> list[str]:
+def _table(devices: list[types_pb2.Device], verbose: bool, out: Report) -> list[str]:
+    """The result table: columns and statuses as they are, reasons in the reader's language."""
     rows = [("DEVICE", "TYPE", "MODEL", "STATUS", "REASON")]
-    rows += [
-        (d.name, d.device_type, d.model, status_name(d.status), _short(d.status_reason, verbose))
-        for d in devices
-    ]
+    for d in devices:
+        reason = _reason(d)
+        shown = "" if reason is None else out.text(reason)
+        rows.append((d.name, d.device_type, d.model, status_name(d.status), _short(shown, verbose)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return [("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4]).rstrip() for r in rows]
 
 
-def _why_unusable(manager: DeviceManager, devices: list[types_pb2.Device]) -> list[str]:
+def _why_unusable(manager: DeviceManager, devices: list[types_pb2.Device]) -> list[tuple[str, Message]]:
+    """Why devices cannot be used: (indent, message) lines, none when every device is Ready."""
     bad = [d for d in devices if d.status != types_pb2.DEVICE_STATUS_READY]
     if not bad:
         return []
     config_path = os.path.abspath(manager.config.path)
     if len(bad) == len(devices):
-        head = f"no usable device on node {manager.config.node_name} (config file {config_path}):"
+        head = msg(
+            "probe.none_usable",
+            "no usable device on node {node} (config file {path}):",
+            node=manager.config.node_name,
+            path=config_path,
+        )
     else:
-        head = f"{len(bad)} of {len(devices)} devices unusable (config file {config_path}):"
-    lines = [head]
-    for device_type, error in manager.tool_errors.items():
-        lines.append(f"  {device_type}: {error}")
+        head = msg(
+            "probe.some_unusable",
+            "{bad} of {total} devices unusable (config file {path}):",
+            bad=len(bad),
+            total=len(devices),
+            path=config_path,
+        )
+    lines = [("", head)]
+    for device_type, error in manager.tool_error_messages.items():
+        lines.append(
+            ("  ", msg("probe.type_error", "{device_type}: {error}", device_type=device_type, error=error))
+        )
     for d in bad:
         if d.device_type not in manager.tool_errors:
-            lines.append(f"  {d.name}: {status_name(d.status)}: {d.status_reason}")
+            lines.append(
+                (
+                    "  ",
+                    msg(
+                        "probe.device_error",
+                        "{device}: {status}: {reason}",
+                        device=d.name,
+                        status=status_name(d.status),
+                        reason=_reason(d) or "",
+                    ),
+                )
+            )
     return lines
 
 
-def _sim_setup(config: NodeConfig, state_dir: str | None, say: Say) -> tuple[dict[str, str], str | None]:
+def _sim_setup(config: NodeConfig, state_dir: str | None, out: Report) -> tuple[dict[str, str], str | None]:
     """The environment the tools run in; the temporary directory to remove afterwards, if any."""
     if not config.simulated:
-        say("  mode: real hardware: the vendor tools are looked up on this process's PATH")
+        out.say(
+            msg(
+                "probe.mode_real",
+                "mode: real hardware: the vendor tools are looked up on this process's PATH",
+            ),
+            "  ",
+        )
         return dict(os.environ), None
     temporary = None if state_dir else tempfile.mkdtemp(prefix="kunlun-probe-")
     directory = Path(state_dir or temporary or ".")
     env = simulated_mode(config, directory).env
     state = config.simulator_state or str(directory / "sim-state.json")
-    say(f"  mode: simulated (node.simulated: true): stand-in vendor tools, shims in {directory / 'sim-bin'}")
-    note = " (a fresh one seeded from the declaration)" if temporary and not config.simulator_state else ""
-    say(f"  stand-in state file: {state}{note}; give --state-dir to see an agent's own state")
+    out.say(
+        msg(
+            "probe.mode_simulated",
+            "mode: simulated (node.simulated: true): stand-in vendor tools, shims in {shims}",
+            shims=str(directory / "sim-bin"),
+        ),
+        "  ",
+    )
+    if temporary and not config.simulator_state:
+        state_line = msg(
+            "probe.state_file_fresh",
+            "stand-in state file: {state} (a fresh one seeded from the declaration); give --state-dir to "
+            "see an agent's own state",
+            state=state,
+        )
+    else:
+        state_line = msg(
+            "probe.state_file",
+            "stand-in state file: {state}; give --state-dir to see an agent's own state",
+            state=state,
+        )
+    out.say(state_line, "  ")
     return env, temporary
 
 
-def probe(config_path: str, verbose: bool, state_dir: str | None, say: Say) -> tuple[int, dict[str, Any]]:
+def probe(config_path: str, verbose: bool, state_dir: str | None, out: Report) -> tuple[int, dict[str, Any]]:
     """Run the probe; returns the exit status and the JSON report."""
     report: dict[str, Any] = {"config": os.path.abspath(config_path)}
-    say(f"step 1: reading {os.path.abspath(config_path)}")
+    out.say(msg("probe.step1", "step 1: reading {path}", path=os.path.abspath(config_path)))
     try:
         config = load_config(config_path)
     except ConfigFileError as e:
-        say(f"  the file cannot be used ({len(e.problems)} problem(s)):")
+        out.say(
+            msg(
+                "probe.unusable_file",
+                "the file cannot be used ({count} problem(s)):",
+                count=len(e.problems),
+            ),
+            "  ",
+        )
         for p in e.problems:
-            say(f"    {p}")
+            out.say(p.message(), "    ")
         report.update(valid=False, problems=[str(p) for p in e.problems], exit_code=EXIT_INVALID)
         return EXIT_INVALID, report
     types = list(dict.fromkeys(d.device_type for d in config.devices))
-    say(
-        f"  ok: node {config.node_name}, address {config.address}, simulated {str(config.simulated).lower()}, "
-        f"health every {config.health_interval_seconds:g} s, {len(config.devices)} device(s) of "
-        f"type {', '.join(types)}"
+    out.say(
+        msg(
+            "probe.config_ok",
+            "ok: node {node}, address {address}, simulated {simulated}, health every {interval:g} s, "
+            "{count} device(s) of type {types}",
+            node=config.node_name,
+            address=config.address,
+            simulated=str(config.simulated).lower(),
+            interval=config.health_interval_seconds,
+            count=len(config.devices),
+            types=", ".join(types),
+        ),
+        "  ",
     )
     for d in config.devices:
-        say("  " + _decl_line(config, d))
+        out.say(_decl_line(config, d), "  ")
         for problem in d.errors:
-            say(f"    problem: {problem}")
+            out.say(msg("probe.problem", "problem: {problem}", problem=problem.message()), "    ")
     report.update(valid=True, node=config.node_name, problems=[str(p) for p in config.problems])
-    say("step 2: tool environment")
-    env, temporary = _sim_setup(config, state_dir, say)
+    out.say(msg("probe.step2", "step 2: tool environment"))
+    env, temporary = _sim_setup(config, state_dir, out)
     try:
         manager = DeviceManager(config, env)
-        say("step 3: running the vendor tools")
+        out.say(msg("probe.step3", "step 3: running the vendor tools"))
         runs = manager.sample_blocking()
         if not runs:
-            say("  no known device type declared: no tool to run")
+            out.say(msg("probe.no_tool", "no known device type declared: no tool to run"), "  ")
         tools = []
         for device_type, run in runs.items():
-            _describe_run(manager.plugins[device_type], run, verbose, say)
+            _describe_run(manager.plugins[device_type], run, verbose, out)
             tools.append(
                 {
                     "device_type": device_type,
@@ -191,53 +383,59 @@ def probe(config_path: str, verbose: bool, state_dir: str | None, say: Say) -> t
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
-    say("step 4: building the devices")
+    out.say(msg("probe.step4", "step 4: building the devices"))
     devices = manager.devices()
     for d, dev in zip(config.devices, devices, strict=True):
-        _describe_device(manager, d, dev, say)
-    say("step 5: result")
-    for line in _table(devices, verbose):
-        say("  " + line)
+        _describe_device(manager, d, dev, out)
+    out.say(msg("probe.step5", "step 5: result"))
+    for line in _table(devices, verbose, out):
+        out.raw("  " + line)
     why = _why_unusable(manager, devices)
-    for line in why:
-        say(line)
+    for indent, m in why:
+        out.say(m, indent)
     code = EXIT_UNUSABLE if why else EXIT_OK
     if code == EXIT_OK:
-        say(f"all {len(devices)} declared device(s) are usable")
+        out.say(msg("probe.all_usable", "all {count} declared device(s) are usable", count=len(devices)))
     report.update(
         tools=tools,
-        devices=[
-            {
-                **json_format.MessageToDict(dev, preserving_proto_field_name=True),
-                "status": status_name(dev.status),
-            }
-            for dev in devices
-        ],
+        devices=[_device_json(dev) for dev in devices],
         usable=code == EXIT_OK,
-        why=why,
+        why=[indent + str(m) for indent, m in why],
         exit_code=code,
     )
     return code, report
 
 
-def main(argv: list[str] | None = None) -> None:
+def _device_json(dev: types_pb2.Device) -> dict[str, Any]:
+    """A device as `-o json` shows it: its fields, the status by name, the reason in English only."""
+    out = json_format.MessageToDict(dev, preserving_proto_field_name=True)
+    out.pop("status_reason_message", None)
+    return {**out, "status": status_name(dev.status)}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The probe's arguments, their help in the reader's language (argparse's own words too)."""
+    bind_global_domain()
     p = argparse.ArgumentParser(
         prog="kunlun-device-probe",
-        description="Show step by step how a node agent would find its devices, without starting it.",
+        description=_("Show step by step how a node agent would find its devices, without starting it."),
     )
-    p.add_argument("--config", required=True, help="the node's device-plugin-config.yaml")
-    p.add_argument("--verbose", "-v", action="store_true", help="print each tool's raw output")
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    p.add_argument("--config", required=True, help=_("the node's device-plugin-config.yaml"))
+    p.add_argument("--verbose", "-v", action="store_true", help=_("print each tool's raw output"))
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help=_("output format"))
     p.add_argument(
-        "--state-dir", help="simulated mode: the agent's state dir (default: a fresh temporary one)"
+        "--state-dir", help=_("simulated mode: the agent's state dir (default: a fresh temporary one)")
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     setup_logging("kunlun-device-probe", "warning")  # logs go to stderr; stdout is the report
-    lines: list[str] = []
-    say: Say = print if args.output == "text" else lines.append
-    code, report = probe(args.config, args.verbose, args.state_dir, say)
+    out = Report(english=args.output == "json")
+    code, report = probe(args.config, args.verbose, args.state_dir, out)
     if args.output == "json":
-        report["log"] = lines
+        report["log"] = out.lines
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     sys.exit(code)

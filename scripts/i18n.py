@@ -25,7 +25,11 @@ text instead of a `msg(...)`/`msg_list(...)` message, and every problem text app
 list; in the servers' entry points (STARTUP_MAINS: kunlun-platform, kunlun-agent, kunlun-gateway),
 every text printed or given to an error, as in kunlun-cli; in the device-plugin config loader
 (CONFIG_MODULES), every part of a problem: the texts given to Fault(...) and Problem(...), assigned to
-`expected`, `found`, `hint` or `fix`, or returned.
+`expected`, `found`, `hint` or `fix`, or returned; in the modules that say why a device cannot be used
+(DEVICE_MODULES: vendor tool errors, cross-checks, health notes, a plugin gone; the agent sends these
+reasons to the replicas with their message), every text given to a tool error, a reason or a verdict
+(DEVICE_ARGS), appended to `reasons` or `notes`, or put into a message (msg's values); in
+kunlun-device-probe (PROBE_MODULES), every text it says (`say`), prints or puts into a message.
 UNMARKED_OK lists the few deliberate exceptions.
 """
 
@@ -101,6 +105,30 @@ CONFIG_MODULES = (
 `expected`, `found`, `hint` or `fix` given a text, a text a function returns) carries a message id, so
 that kunlun-agent prints its ConfigFileError in the reader's language."""
 CONFIG_PARTS = ("expected", "found", "hint", "fix")
+DEVICE_MODULES = (
+    "node_agent/vendors",
+    "node_agent/plugins/vendor_plugin.py",
+    "node_agent/plugins/remote.py",
+    "node_agent/devices.py",
+)
+"""Where the agent says why a device cannot be used (the reasons it sends the replicas, which
+kunlun-cli and kunlun-device-probe show in the reader's language): each reason is a message."""
+DEVICE_ARGS = {
+    "ToolError": 0,
+    "ToolFailed": 0,
+    "ToolTimeout": 0,
+    "CnmonFormatError": 0,
+    "SmiFormatError": 0,
+    "PluginGone": 0,
+    "_unparsable": 1,
+    "Verdict": 1,
+    "set_reason": 1,
+}
+"""Device modules: the calls whose argument (by index) is a text shown as a device's reason."""
+DEVICE_LISTS = ("reasons", "notes")
+PROBE_MODULES = ("node_agent/probe.py",)
+"""kunlun-device-probe: every line it says is a message, printed in the reader's language (`-o json`
+keeps the English text); its help is marked with `_()`."""
 VERIFY_PACKAGE = "controlplane/cli/verify"
 """kunlun-cli verify: its checkpoint names, notes, layer titles and skip reasons are plain literals
 where the layers make them (report.json keeps them in English) and are translated where they are
@@ -150,6 +178,7 @@ _NOT_TEXT_ERRORS = {
     "KeyError",
     "OSError",
     "PoError",
+    "ImportError",  # a broken vendor module: for whoever wrote it
 }
 HEADER = (
     "Project-Id-Version: kunlun-platform\n"
@@ -431,6 +460,35 @@ def _config_sinks(node: ast.AST) -> list[ast.expr]:
     return out
 
 
+def _msg_values(node: ast.AST) -> list[ast.expr]:
+    """The values put into a message (`msg(ID, TEMPLATE, name=VALUE)`): a text there must be one too."""
+    if isinstance(node, ast.Call) and _name(node.func) in ("msg", "msg_list"):
+        return [k.value for k in node.keywords if k.arg not in ("bullet", "sep")]
+    return []
+
+
+def _device_sinks(node: ast.AST) -> list[ast.expr]:
+    out = _replica_sinks(node) + _msg_values(node)
+    if isinstance(node, ast.Call):
+        i = DEVICE_ARGS.get(_name(node.func))
+        if i is not None:
+            out += node.args[i : i + 1]
+        if _name(node.func) == "append" and isinstance(node.func, ast.Attribute):
+            if _name(node.func.value) in DEVICE_LISTS:
+                out += node.args[:1]
+    elif isinstance(node, ast.Assign):
+        if any(isinstance(t, ast.Attribute) and t.attr == "status_reason" for t in node.targets):
+            out.append(node.value)
+    return out
+
+
+def _probe_sinks(node: ast.AST) -> list[ast.expr]:
+    out = _cli_sinks(node) + _msg_values(node)
+    if isinstance(node, ast.Call) and _name(node.func) == "say":
+        out += node.args[:1]
+    return out
+
+
 def _leaves(node: ast.expr) -> list[ast.expr]:
     """The expressions a value can come from: both branches of `a if c else b`, each of `a or b`."""
     if isinstance(node, ast.IfExp):
@@ -443,10 +501,15 @@ def _leaves(node: ast.expr) -> list[ast.expr]:
 def unmarked_source(text: str, source: str, replica: bool, config: bool = False, kind: str = "") -> list[str]:
     """The unmarked user-facing texts of one module, as 'file:line: text' (`config`: a module of the
     device-plugin config loader, CONFIG_MODULES; `kind` "verify": kunlun-cli verify's shown texts,
-    VERIFY_SHOWN; "reason": a module that stores reasons, REASON_MODULES)."""
+    VERIFY_SHOWN; "reason": a module that stores reasons, REASON_MODULES; "device": DEVICE_MODULES;
+    "probe": PROBE_MODULES)."""
     out = []
     sinks = (
-        _verify_sinks
+        _device_sinks
+        if kind == "device"
+        else _probe_sinks
+        if kind == "probe"
+        else _verify_sinks
         if kind == "verify"
         else _reason_sinks
         if kind == "reason"
@@ -495,6 +558,13 @@ def unmarked(root: Path = ROOT) -> list[str]:
     for where in REASON_MODULES:
         if (root / where).exists():
             out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, kind="reason")
+    for kind, modules in (("device", DEVICE_MODULES), ("probe", PROBE_MODULES)):
+        for where in modules:
+            paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))
+            for path in paths:
+                if path.exists():
+                    rel = path.relative_to(root).as_posix()
+                    out += unmarked_source(path.read_text(encoding="utf-8"), rel, True, kind=kind)
     return out
 
 

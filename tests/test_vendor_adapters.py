@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -500,19 +501,23 @@ def test_cross_check() -> None:
         dev(0, "Ascend910B3", 65536, 0, 0.0, 40.0, 90.0),
         dev(2, "910B3", None, None, None, None, None),
     ]
-    assert cross_check("ascend", "npu-smi", 0, "910B", 65536, observed) == []
-    assert cross_check("ascend", "npu-smi", 0, "910b3", 63000, observed) == []  # within 5 %
-    assert cross_check("ascend", "npu-smi", 1, "910B3", 65536, observed) == [
+
+    def check(*args: Any) -> list[str]:  # each reason is a message: its English text
+        return [str(m) for m in cross_check(*args)]
+
+    assert check("ascend", "npu-smi", 0, "910B", 65536, observed) == []
+    assert check("ascend", "npu-smi", 0, "910b3", 63000, observed) == []  # within 5 %
+    assert check("ascend", "npu-smi", 1, "910B3", 65536, observed) == [
         "ascend:1 declared but not found by npu-smi (indexes it reports: 0, 2)"
     ]
-    assert cross_check("ascend", "npu-smi", 0, "910B", 32768, observed) == [
+    assert check("ascend", "npu-smi", 0, "910B", 32768, observed) == [
         "ascend:0: declared 32768 MB, npu-smi reports 65536 MB"
     ]
-    assert cross_check("ascend", "npu-smi", 0, "910A", 65536, observed) == [
+    assert check("ascend", "npu-smi", 0, "910A", 65536, observed) == [
         "ascend:0: declared model '910A', npu-smi reports 'Ascend910B3'"
     ]
-    assert cross_check("ascend", "npu-smi", 2, "910B3", 65536, observed) == []  # memory unknown: not judged
-    assert cross_check("nvidia", "nvidia-smi", 0, "A100", 40960, []) == [
+    assert check("ascend", "npu-smi", 2, "910B3", 65536, observed) == []  # memory unknown: not judged
+    assert check("nvidia", "nvidia-smi", 0, "A100", 40960, []) == [
         "nvidia:0 declared but not found by nvidia-smi (indexes it reports: none)"
     ]
 

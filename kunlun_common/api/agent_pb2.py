@@ -26,7 +26,7 @@ from kunlun_common.api import types_pb2 as kunlun_dot_v1_dot_types__pb2
 from kunlun_common.api import workload_pb2 as kunlun_dot_v1_dot_workload__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kunlun/v1/agent.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\x1a\x18kunlun/v1/workload.proto\"\x94\x01\n\nAssignment\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bworkload_id\x18\x02 \x01(\t\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x10\n\x08spec_ref\x18\x06 \x01(\t\"\xd2\x01\n\x0b\x41ssignments\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.Assignment\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x12\n\ncluster_id\x18\x03 \x01(\x04\x12\x30\n\x05specs\x18\x04 \x03(\x0b\x32!.kunlun.v1.Assignments.SpecsEntry\x1a\x45\n\nSpecsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec:\x02\x38\x01\"\xd2\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x12\n\noom_killed\x18\x08 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\t \x01(\x03\x12\x18\n\x10ready_at_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x0b \x03(\t\x12\x11\n\tenv_names\x18\x0c \x03(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\r \x03(\t\x12\x17\n\x0fprepare_seconds\x18\x0e \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0f \x01(\x01\x12\x13\n\x0bworkload_id\x18\x10 \x01(\t\"a\n\x0eInstanceReport\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.kunlun.v1.InstanceStatus\x12\x13\n\x0bprotections\x18\x02 \x03(\t\x12\x0c\n\x04note\x18\x03 \x01(\t\"\x9d\x02\n\x0cRegisterNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsimulated\x18\x03 \x01(\x08\x12\"\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x11.kunlun.v1.Device\x12\x15\n\ragent_version\x18\x05 \x01(\t\x12\x11\n\tagent_pid\x18\x06 \x01(\x05\x12\x13\n\x0b\x63onfig_path\x18\x07 \x01(\t\x12\x14\n\x0cnode_service\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x1d\n\x15\x64isconnect_deadline_s\x18\x14 \x01(\x01\x12\x14\n\x0cstop_grace_s\x18\x15 \x01(\x01\x12\x14\n\x0cshared_specs\x18\x16 \x01(\x08\"\x8b\x01\n\x0c\x44\x65viceSample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\ttelemetry\x18\x02 \x01(\x0b\x32\x1a.kunlun.v1.DeviceTelemetry\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.kunlun.v1.DeviceStatus\x12\x15\n\rstatus_reason\x18\x04 \x01(\t\"[\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.kunlun.v1.DeviceSample\"\x9b\x01\n\x0c\x41gentMessage\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.kunlun.v1.RegisterNodeH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kunlun.v1.HeartbeatH\x00\x12+\n\x06report\x18\x03 \x01(\x0b\x32\x19.kunlun.v1.InstanceReportH\x00\x42\x06\n\x04kind\"9\n\x0bRegisterAck\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x03\",\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\"\xdc\x01\n\x0eReplicaMessage\x12.\n\x0cregister_ack\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RegisterAckH\x00\x12\x30\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.HeartbeatAckH\x00\x12-\n\x0b\x61ssignments\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.AssignmentsH\x00\x12\x31\n\tprofiling\x18\x04 \x01(\x0b\x32\x1c.kunlun.v1.ProfilingSettingsH\x00\x42\x06\n\x04kind\"@\n\x0bLogsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\".\n\x08LogChunk\x12\r\n\x05lines\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x9c\x01\n\x0b\x45ngineEvent\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x03\x12\x0f\n\x07mono_ns\x18\x07 \x01(\x03\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\r\n\x05\x63\x61use\x18\t \x01(\t\",\n\x0e\x45nginesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\"8\n\x0f\x45nginesResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.EngineEvent\"\"\n\x12ToolReadingRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\x92\x01\n\nToolDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\x0fmemory_total_mb\x18\x04 \x01(\x03\x12\x16\n\x0ememory_used_mb\x18\x05 \x01(\x03\x12\x17\n\x0futilization_pct\x18\x06 \x01(\x01\x12\x0e\n\x06health\x18\x07 \x01(\t\"\xae\x01\n\x0bToolReading\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x12\n\nraw_output\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12sampled_at_unix_ms\x18\x05 \x01(\x03\x12\x12\n\nduration_s\x18\x06 \x01(\x01\x12&\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x15.kunlun.v1.ToolDevice\"?\n\x13ToolReadingResponse\x12(\n\x08readings\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.ToolReading2\xd4\x01\n\x0bNodeService\x12\x35\n\x04Logs\x12\x16.kunlun.v1.LogsRequest\x1a\x13.kunlun.v1.LogChunk0\x01\x12@\n\x07\x45ngines\x12\x19.kunlun.v1.EnginesRequest\x1a\x1a.kunlun.v1.EnginesResponse\x12L\n\x0bToolReading\x12\x1d.kunlun.v1.ToolReadingRequest\x1a\x1e.kunlun.v1.ToolReadingResponse2\xa7\x01\n\rLedgerService\x12\x44\n\x0bNodeEngines\x12\x19.kunlun.v1.EnginesRequest\x1a\x1a.kunlun.v1.EnginesResponse\x12P\n\x0fNodeToolReading\x12\x1d.kunlun.v1.ToolReadingRequest\x1a\x1e.kunlun.v1.ToolReadingResponse2Q\n\x0c\x41gentService\x12\x41\n\x07\x43onnect\x12\x17.kunlun.v1.AgentMessage\x1a\x19.kunlun.v1.ReplicaMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kunlun/v1/agent.proto\x12\tkunlun.v1\x1a\x15kunlun/v1/types.proto\x1a\x18kunlun/v1/workload.proto\"\x94\x01\n\nAssignment\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bworkload_id\x18\x02 \x01(\t\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x03\x12\x10\n\x08spec_ref\x18\x06 \x01(\t\"\xd2\x01\n\x0b\x41ssignments\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.kunlun.v1.Assignment\x12\x10\n\x08revision\x18\x02 \x01(\x03\x12\x12\n\ncluster_id\x18\x03 \x01(\x04\x12\x30\n\x05specs\x18\x04 \x03(\x0b\x32!.kunlun.v1.Assignments.SpecsEntry\x1a\x45\n\nSpecsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12&\n\x05value\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.WorkloadSpec:\x02\x38\x01\"\xd2\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\x10\n\x08restarts\x18\x06 \x01(\x05\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x12\n\noom_killed\x18\x08 \x01(\x08\x12\x1a\n\x12started_at_unix_ms\x18\t \x01(\x03\x12\x18\n\x10ready_at_unix_ms\x18\n \x01(\x03\x12\x0f\n\x07\x63ommand\x18\x0b \x03(\t\x12\x11\n\tenv_names\x18\x0c \x03(\t\x12\x14\n\x0c\x64\x65vice_nodes\x18\r \x03(\t\x12\x17\n\x0fprepare_seconds\x18\x0e \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0f \x01(\x01\x12\x13\n\x0bworkload_id\x18\x10 \x01(\t\"a\n\x0eInstanceReport\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.kunlun.v1.InstanceStatus\x12\x13\n\x0bprotections\x18\x02 \x03(\t\x12\x0c\n\x04note\x18\x03 \x01(\t\"\x9d\x02\n\x0cRegisterNode\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tsimulated\x18\x03 \x01(\x08\x12\"\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x11.kunlun.v1.Device\x12\x15\n\ragent_version\x18\x05 \x01(\t\x12\x11\n\tagent_pid\x18\x06 \x01(\x05\x12\x13\n\x0b\x63onfig_path\x18\x07 \x01(\t\x12\x14\n\x0cnode_service\x18\x08 \x01(\t\x12\x17\n\x0fmetrics_address\x18\t \x01(\t\x12\x1d\n\x15\x64isconnect_deadline_s\x18\x14 \x01(\x01\x12\x14\n\x0cstop_grace_s\x18\x15 \x01(\x01\x12\x14\n\x0cshared_specs\x18\x16 \x01(\x08\"\xaa\x01\n\x0c\x44\x65viceSample\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\ttelemetry\x18\x02 \x01(\x0b\x32\x1a.kunlun.v1.DeviceTelemetry\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.kunlun.v1.DeviceStatus\x12\x15\n\rstatus_reason\x18\x04 \x01(\t\x12\x1d\n\x15status_reason_message\x18\x05 \x01(\t\"[\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x17\n\x0fsent_at_unix_ms\x18\x02 \x01(\x03\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.kunlun.v1.DeviceSample\"\x9b\x01\n\x0c\x41gentMessage\x12+\n\x08register\x18\x01 \x01(\x0b\x32\x17.kunlun.v1.RegisterNodeH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.kunlun.v1.HeartbeatH\x00\x12+\n\x06report\x18\x03 \x01(\x0b\x32\x19.kunlun.v1.InstanceReportH\x00\x42\x06\n\x04kind\"9\n\x0bRegisterAck\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x19\n\x11lease_ttl_seconds\x18\x02 \x01(\x03\",\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07replica\x18\x02 \x01(\t\"\xdc\x01\n\x0eReplicaMessage\x12.\n\x0cregister_ack\x18\x01 \x01(\x0b\x32\x16.kunlun.v1.RegisterAckH\x00\x12\x30\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x17.kunlun.v1.HeartbeatAckH\x00\x12-\n\x0b\x61ssignments\x18\x03 \x01(\x0b\x32\x16.kunlun.v1.AssignmentsH\x00\x12\x31\n\tprofiling\x18\x04 \x01(\x0b\x32\x1c.kunlun.v1.ProfilingSettingsH\x00\x42\x06\n\x04kind\"@\n\x0bLogsRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\".\n\x08LogChunk\x12\r\n\x05lines\x18\x01 \x03(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x9c\x01\n\x0b\x45ngineEvent\x12\r\n\x05\x65vent\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x0b\n\x03pid\x18\x05 \x01(\x03\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x03\x12\x0f\n\x07mono_ns\x18\x07 \x01(\x03\x12\x0f\n\x07\x62oot_id\x18\x08 \x01(\t\x12\r\n\x05\x63\x61use\x18\t \x01(\t\",\n\x0e\x45nginesRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04tail\x18\x02 \x01(\x05\"8\n\x0f\x45nginesResponse\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.EngineEvent\"\"\n\x12ToolReadingRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"\x92\x01\n\nToolDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\x0fmemory_total_mb\x18\x04 \x01(\x03\x12\x16\n\x0ememory_used_mb\x18\x05 \x01(\x03\x12\x17\n\x0futilization_pct\x18\x06 \x01(\x01\x12\x0e\n\x06health\x18\x07 \x01(\t\"\xae\x01\n\x0bToolReading\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x12\n\nraw_output\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12sampled_at_unix_ms\x18\x05 \x01(\x03\x12\x12\n\nduration_s\x18\x06 \x01(\x01\x12&\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x15.kunlun.v1.ToolDevice\"?\n\x13ToolReadingResponse\x12(\n\x08readings\x18\x01 \x03(\x0b\x32\x16.kunlun.v1.ToolReading2\xd4\x01\n\x0bNodeService\x12\x35\n\x04Logs\x12\x16.kunlun.v1.LogsRequest\x1a\x13.kunlun.v1.LogChunk0\x01\x12@\n\x07\x45ngines\x12\x19.kunlun.v1.EnginesRequest\x1a\x1a.kunlun.v1.EnginesResponse\x12L\n\x0bToolReading\x12\x1d.kunlun.v1.ToolReadingRequest\x1a\x1e.kunlun.v1.ToolReadingResponse2\xa7\x01\n\rLedgerService\x12\x44\n\x0bNodeEngines\x12\x19.kunlun.v1.EnginesRequest\x1a\x1a.kunlun.v1.EnginesResponse\x12P\n\x0fNodeToolReading\x12\x1d.kunlun.v1.ToolReadingRequest\x1a\x1e.kunlun.v1.ToolReadingResponse2Q\n\x0c\x41gentService\x12\x41\n\x07\x43onnect\x12\x17.kunlun.v1.AgentMessage\x1a\x19.kunlun.v1.ReplicaMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,39 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERNODE']._serialized_start=890
   _globals['_REGISTERNODE']._serialized_end=1175
   _globals['_DEVICESAMPLE']._serialized_start=1178
-  _globals['_DEVICESAMPLE']._serialized_end=1317
-  _globals['_HEARTBEAT']._serialized_start=1319
-  _globals['_HEARTBEAT']._serialized_end=1410
-  _globals['_AGENTMESSAGE']._serialized_start=1413
-  _globals['_AGENTMESSAGE']._serialized_end=1568
-  _globals['_REGISTERACK']._serialized_start=1570
-  _globals['_REGISTERACK']._serialized_end=1627
-  _globals['_HEARTBEATACK']._serialized_start=1629
-  _globals['_HEARTBEATACK']._serialized_end=1673
-  _globals['_REPLICAMESSAGE']._serialized_start=1676
-  _globals['_REPLICAMESSAGE']._serialized_end=1896
-  _globals['_LOGSREQUEST']._serialized_start=1898
-  _globals['_LOGSREQUEST']._serialized_end=1962
-  _globals['_LOGCHUNK']._serialized_start=1964
-  _globals['_LOGCHUNK']._serialized_end=2010
-  _globals['_ENGINEEVENT']._serialized_start=2013
-  _globals['_ENGINEEVENT']._serialized_end=2169
-  _globals['_ENGINESREQUEST']._serialized_start=2171
-  _globals['_ENGINESREQUEST']._serialized_end=2215
-  _globals['_ENGINESRESPONSE']._serialized_start=2217
-  _globals['_ENGINESRESPONSE']._serialized_end=2273
-  _globals['_TOOLREADINGREQUEST']._serialized_start=2275
-  _globals['_TOOLREADINGREQUEST']._serialized_end=2309
-  _globals['_TOOLDEVICE']._serialized_start=2312
-  _globals['_TOOLDEVICE']._serialized_end=2458
-  _globals['_TOOLREADING']._serialized_start=2461
-  _globals['_TOOLREADING']._serialized_end=2635
-  _globals['_TOOLREADINGRESPONSE']._serialized_start=2637
-  _globals['_TOOLREADINGRESPONSE']._serialized_end=2700
-  _globals['_NODESERVICE']._serialized_start=2703
-  _globals['_NODESERVICE']._serialized_end=2915
-  _globals['_LEDGERSERVICE']._serialized_start=2918
-  _globals['_LEDGERSERVICE']._serialized_end=3085
-  _globals['_AGENTSERVICE']._serialized_start=3087
-  _globals['_AGENTSERVICE']._serialized_end=3168
+  _globals['_DEVICESAMPLE']._serialized_end=1348
+  _globals['_HEARTBEAT']._serialized_start=1350
+  _globals['_HEARTBEAT']._serialized_end=1441
+  _globals['_AGENTMESSAGE']._serialized_start=1444
+  _globals['_AGENTMESSAGE']._serialized_end=1599
+  _globals['_REGISTERACK']._serialized_start=1601
+  _globals['_REGISTERACK']._serialized_end=1658
+  _globals['_HEARTBEATACK']._serialized_start=1660
+  _globals['_HEARTBEATACK']._serialized_end=1704
+  _globals['_REPLICAMESSAGE']._serialized_start=1707
+  _globals['_REPLICAMESSAGE']._serialized_end=1927
+  _globals['_LOGSREQUEST']._serialized_start=1929
+  _globals['_LOGSREQUEST']._serialized_end=1993
+  _globals['_LOGCHUNK']._serialized_start=1995
+  _globals['_LOGCHUNK']._serialized_end=2041
+  _globals['_ENGINEEVENT']._serialized_start=2044
+  _globals['_ENGINEEVENT']._serialized_end=2200
+  _globals['_ENGINESREQUEST']._serialized_start=2202
+  _globals['_ENGINESREQUEST']._serialized_end=2246
+  _globals['_ENGINESRESPONSE']._serialized_start=2248
+  _globals['_ENGINESRESPONSE']._serialized_end=2304
+  _globals['_TOOLREADINGREQUEST']._serialized_start=2306
+  _globals['_TOOLREADINGREQUEST']._serialized_end=2340
+  _globals['_TOOLDEVICE']._serialized_start=2343
+  _globals['_TOOLDEVICE']._serialized_end=2489
+  _globals['_TOOLREADING']._serialized_start=2492
+  _globals['_TOOLREADING']._serialized_end=2666
+  _globals['_TOOLREADINGRESPONSE']._serialized_start=2668
+  _globals['_TOOLREADINGRESPONSE']._serialized_end=2731
+  _globals['_NODESERVICE']._serialized_start=2734
+  _globals['_NODESERVICE']._serialized_end=2946
+  _globals['_LEDGERSERVICE']._serialized_start=2949
+  _globals['_LEDGERSERVICE']._serialized_end=3116
+  _globals['_AGENTSERVICE']._serialized_start=3118
+  _globals['_AGENTSERVICE']._serialized_end=3199
 # @@protoc_insertion_point(module_scope)

@@ -297,9 +297,12 @@ class DeviceSample(_message.Message):
     TELEMETRY_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     STATUS_REASON_FIELD_NUMBER: _builtins.int
+    STATUS_REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     status: _types_pb2.DeviceStatus.ValueType
     status_reason: _builtins.str
+    status_reason_message: _builtins.str
+    """`status_reason` as a message (as Device.status_reason_message)."""
     @_builtins.property
     def telemetry(self) -> _types_pb2.DeviceTelemetry: ...
     def __init__(
@@ -309,10 +312,11 @@ class DeviceSample(_message.Message):
         telemetry: _types_pb2.DeviceTelemetry | None = ...,
         status: _types_pb2.DeviceStatus.ValueType = ...,
         status_reason: _builtins.str = ...,
+        status_reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["telemetry", b"telemetry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "status", b"status", "status_reason", b"status_reason", "telemetry", b"telemetry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "status", b"status", "status_reason", b"status_reason", "status_reason_message", b"status_reason_message", "telemetry", b"telemetry"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

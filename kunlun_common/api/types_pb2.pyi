@@ -140,6 +140,7 @@ class Device(_message.Message):
     STATUS_REASON_FIELD_NUMBER: _builtins.int
     TELEMETRY_FIELD_NUMBER: _builtins.int
     PLUGIN_FIELD_NUMBER: _builtins.int
+    STATUS_REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     node: _builtins.str
     device_type: _builtins.str
@@ -157,6 +158,12 @@ class Device(_message.Message):
     status_reason: _builtins.str
     plugin: _builtins.str
     """Which plugin reported the device ("ascend", or an out-of-process plugin's name)."""
+    status_reason_message: _builtins.str
+    """`status_reason` as a message (JSON: id, template, args; kunlun_common/messages.py `to_stored`),
+    which clients show in their reader's language; empty (an older agent, an out-of-process plugin's
+    own text): `status_reason` as it is. Clients use it only while its English text equals
+    `status_reason`.
+    """
     @_builtins.property
     def supported_dtypes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -190,10 +197,11 @@ class Device(_message.Message):
         status_reason: _builtins.str = ...,
         telemetry: Global___DeviceTelemetry | None = ...,
         plugin: _builtins.str = ...,
+        status_reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["custom_attributes", b"custom_attributes", "telemetry", b"telemetry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bf16_tflops", b"bf16_tflops", "custom_attributes", b"custom_attributes", "device_type", b"device_type", "fp16_tflops", b"fp16_tflops", "hbm_memory_mb", b"hbm_memory_mb", "index", b"index", "int8_tflops", b"int8_tflops", "model", b"model", "name", b"name", "node", b"node", "p2p_bandwidth_gbps", b"p2p_bandwidth_gbps", "p2p_enabled", b"p2p_enabled", "plugin", b"plugin", "status", b"status", "status_reason", b"status_reason", "supported_dtypes", b"supported_dtypes", "sys_memory_mb", b"sys_memory_mb", "telemetry", b"telemetry", "topology_distance", b"topology_distance", "total_memory_mb", b"total_memory_mb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bf16_tflops", b"bf16_tflops", "custom_attributes", b"custom_attributes", "device_type", b"device_type", "fp16_tflops", b"fp16_tflops", "hbm_memory_mb", b"hbm_memory_mb", "index", b"index", "int8_tflops", b"int8_tflops", "model", b"model", "name", b"name", "node", b"node", "p2p_bandwidth_gbps", b"p2p_bandwidth_gbps", "p2p_enabled", b"p2p_enabled", "plugin", b"plugin", "status", b"status", "status_reason", b"status_reason", "status_reason_message", b"status_reason_message", "supported_dtypes", b"supported_dtypes", "sys_memory_mb", b"sys_memory_mb", "telemetry", b"telemetry", "topology_distance", b"topology_distance", "total_memory_mb", b"total_memory_mb"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,6 +31,7 @@ import structlog
 
 from kunlun_common.api import plugin_pb2, plugin_pb2_grpc, types_pb2
 from kunlun_common.errors import TemporaryError
+from kunlun_common.messages import Message, msg, of_error
 from node_agent.plugins.config import NodeConfig
 from node_agent.plugins.contract import AllocateResult, DevicePlugin, PluginError
 
@@ -91,16 +92,29 @@ class RemotePlugin(DevicePlugin):
             await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
         except TimeoutError:
             raise PluginGone(
-                f"plugin {self.name}: nothing answers on {self.endpoint} within {timeout_s:g} s"
+                msg(
+                    "plugin.no_answer",
+                    "plugin {name}: nothing answers on {endpoint} within {timeout_s:g} s",
+                    name=self.name,
+                    endpoint=self.endpoint,
+                    timeout_s=timeout_s,
+                )
             ) from None
 
     async def list_and_watch(self) -> AsyncIterator[list[types_pb2.Device]]:
         try:
-            async for msg in self._stub.ListAndWatch(plugin_pb2.ListAndWatchRequest()):
-                yield list(msg.devices)
+            async for reply in self._stub.ListAndWatch(plugin_pb2.ListAndWatchRequest()):
+                yield list(reply.devices)
         except grpc.aio.AioRpcError as e:
-            raise PluginGone(f"its ListAndWatch stream broke ({e.code().name}: {e.details()})") from None
-        raise PluginGone("it ended its ListAndWatch stream")
+            raise PluginGone(
+                msg(
+                    "plugin.stream_broke",
+                    "its ListAndWatch stream broke ({code}: {details})",
+                    code=e.code().name,
+                    details=e.details() or "",
+                )
+            ) from None
+        raise PluginGone(msg("plugin.stream_ended_by_plugin", "it ended its ListAndWatch stream"))
 
     async def preferred_allocation(
         self, available: Sequence[str], must_include: Sequence[str], size: int, require_p2p: bool
@@ -126,7 +140,15 @@ class RemotePlugin(DevicePlugin):
         if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return PluginError(e.details() or f"plugin {self.name} refused {method}")
         return PluginGone(
-            f"plugin {self.name} ({self.endpoint}): {method} failed: {e.code().name}: {e.details()}"
+            msg(
+                "plugin.call_failed",
+                "plugin {name} ({endpoint}): {method} failed: {code}: {details}",
+                name=self.name,
+                endpoint=self.endpoint,
+                method=method,
+                code=e.code().name,
+                details=e.details(),
+            )
         )
 
     async def close(self) -> None:
@@ -134,7 +156,7 @@ class RemotePlugin(DevicePlugin):
 
 
 DevicesCallback = Callable[[RemotePlugin, list[types_pb2.Device]], None]
-GoneCallback = Callable[[RemotePlugin, str], None]
+GoneCallback = Callable[[RemotePlugin, Message], None]
 
 
 class PluginRegistry(plugin_pb2_grpc.PluginRegistrationServicer):
@@ -257,17 +279,26 @@ class PluginRegistry(plugin_pb2_grpc.PluginRegistrationServicer):
             async for devices in plugin.list_and_watch():
                 self.on_devices(plugin, devices)
         except PluginGone as e:
-            reason = str(e)
+            reason = of_error(e)
         except Exception as e:  # a bad message must not leave the devices looking alive
             log.exception("plugin stream failed", plugin=plugin.name)
-            reason = f"its stream failed ({type(e).__name__}: {e})"
+            reason = msg(
+                "plugin.stream_failed",
+                "its stream failed ({kind}: {error})",
+                kind=type(e).__name__,
+                error=str(e),
+            )
         else:  # list_and_watch never ends normally; keep the type checker and readers sure of it
-            reason = "its stream ended"
-        message = (
-            f"plugin {plugin.name} ({plugin.endpoint}) is gone: {reason}; its devices come back when it "
-            "registers again (restart it)"
+            reason = msg("plugin.stream_ended", "its stream ended")
+        message = msg(
+            "plugin.gone",
+            "plugin {name} ({endpoint}) is gone: {reason}; its devices come back when it registers again "
+            "(restart it)",
+            name=plugin.name,
+            endpoint=plugin.endpoint,
+            reason=reason,
         )
-        log.warning("plugin gone", plugin=plugin.name, device_type=plugin.device_type, reason=reason)
+        log.warning("plugin gone", plugin=plugin.name, device_type=plugin.device_type, reason=str(reason))
         if self.plugins.get(plugin.device_type) is plugin:
             del self.plugins[plugin.device_type]
             self._tasks.pop(plugin.device_type, None)

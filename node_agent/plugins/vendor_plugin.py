@@ -15,7 +15,10 @@ thread), cross-checks every declaration against what the tool reports and sets e
 |                                                         |           | size accepted unchecked" when the   |
 |                                                         |           | tool prints memory as [N/A]         |
 
-Reasons name the tool that actually ran (Hygon falls back to rocm-smi when hy-smi is missing).
+Reasons name the tool that actually ran (Hygon falls back to rocm-smi when hy-smi is missing). Each
+is a message (`kunlun_common.messages`): the device carries its English text in `status_reason` and the
+message in `status_reason_message` (`set_reason`), which kunlun-cli and kunlun-device-probe show in the
+reader's language; replicas store both as they come.
 
 Statuses move both ways: a chip that comes back, or whose health returns to OK, turns Ready again at
 the next sample. Telemetry (utilization, memory used, temperature, power, health) is set on every
@@ -39,6 +42,7 @@ from google.protobuf import struct_pb2
 
 from kunlun_common.api import types_pb2
 from kunlun_common.clock import now_ms
+from kunlun_common.messages import Message, msg, msg_list, of_error, to_stored
 from node_agent.plugins.config import DeviceDecl, NodeConfig
 from node_agent.plugins.contract import (
     AllocateResult,
@@ -115,8 +119,14 @@ class Verdict:
     """The status of one declared device after a sample, and the tool's view of it (if any)."""
 
     status: StatusValue
-    reason: str
+    message: Message | None
+    """Why (None: nothing to say)."""
     observed: ObservedDevice | None
+
+    @property
+    def reason(self) -> str:
+        """The reason's English text ("" when there is none)."""
+        return "" if self.message is None else str(self.message)
 
 
 def _telemetry_key(t: types_pb2.DeviceTelemetry) -> tuple[float, int, float, float, str]:
@@ -161,8 +171,14 @@ class VendorPlugin(DevicePlugin):
     @property
     def tool_error(self) -> str | None:
         """Why the last sample could not use the tool (None when it could, or before any sample)."""
+        m = self.tool_error_message
+        return None if m is None else str(m)
+
+    @property
+    def tool_error_message(self) -> Message | None:
+        """`tool_error` as a message (for the reader's language)."""
         sample = self.last_sample
-        return str(sample.error) if sample is not None and sample.error is not None else None
+        return of_error(sample.error) if sample is not None and sample.error is not None else None
 
     def poll(self) -> ToolSample:
         """Run the vendor tool once (blocking) and return what it gave; never raises ToolError."""
@@ -189,22 +205,22 @@ class VendorPlugin(DevicePlugin):
     def verdict(self, d: DeviceDecl, sample: ToolSample) -> Verdict:
         """The status of declaration `d` given `sample` (the table of the module docstring)."""
         if d.errors:
-            return Verdict(ERROR, "; ".join(str(p) for p in d.errors), None)
+            return Verdict(ERROR, joined([p.message() for p in d.errors]), None)
         if sample.error is not None:
-            return Verdict(ERROR, str(sample.error), None)
+            return Verdict(ERROR, of_error(sample.error), None)
         tool = sample.tool
         reasons = cross_check(
             d.device_type, tool, d.device_id, d.model, d.hbm_memory_mb, list(sample.observed)
         )
         if reasons:
-            return Verdict(ERROR, "; ".join(reasons), None)
+            return Verdict(ERROR, joined(reasons), None)
         obs = next(o for o in sample.observed if o.index == d.device_id)
         if obs.health == HEALTH_CRITICAL:
-            return Verdict(UNHEALTHY, f"{tool} reports health {HEALTH_CRITICAL}", obs)
-        notes = [] if obs.health == HEALTH_OK else [f"{tool} reports health {obs.health}"]
+            return Verdict(UNHEALTHY, health_note(tool, HEALTH_CRITICAL), obs)
+        notes = [] if obs.health == HEALTH_OK else [health_note(tool, obs.health)]
         if obs.memory_total_mb is None:
             notes.append(memory_unchecked(tool, d.hbm_memory_mb))
-        return Verdict(READY, "; ".join(notes), obs)
+        return Verdict(READY, joined(notes), obs)
 
     def apply(self, sample: ToolSample) -> bool:
         """Update every device from `sample`; True when a status, reason or telemetry value changed."""
@@ -225,7 +241,8 @@ class VendorPlugin(DevicePlugin):
                     was=status_name(dev.status),
                     reason=v.reason,
                 )
-            dev.status, dev.status_reason = v.status, v.reason
+            dev.status = v.status
+            set_reason(dev, v.message)
             if v.observed is None:
                 dev.ClearField("telemetry")
             else:
@@ -305,10 +322,36 @@ class VendorPlugin(DevicePlugin):
         return allocation_for(self.device_type, [d.index for d in chosen], node_ids)
 
 
-def memory_unchecked(tool: str, declared_mb: int) -> str:
+def memory_unchecked(tool: str, declared_mb: int) -> Message:
     """The note of a device whose tool prints its memory as unavailable ([N/A]: NVIDIA GB10 and other
     unified-memory parts): the declaration cannot be checked, so say that it was accepted as declared."""
-    return f"{tool} reports memory as unavailable; the declared {declared_mb} MB is accepted unchecked"
+    return msg(
+        "device.memory_unchecked",
+        "{tool} reports memory as unavailable; the declared {declared_mb} MB is accepted unchecked",
+        tool=tool,
+        declared_mb=declared_mb,
+    )
+
+
+def health_note(tool: str, health: str) -> Message:
+    """The note of a device whose tool reports a health other than OK (the value as the tool says it)."""
+    return msg("device.health", "{tool} reports health {health}", tool=tool, health=health)
+
+
+def joined(reasons: Sequence[Message]) -> Message | None:
+    """Several reasons as one, `; ` between them, each translated on its own (None: no reason)."""
+    if not reasons:
+        return None
+    if len(reasons) == 1:
+        return reasons[0]
+    return msg_list("device.reasons", "{parts}", reasons, bullet="", sep="; ")
+
+
+def set_reason(dev: types_pb2.Device, reason: Message | None) -> None:
+    """Give `dev` its reason: the English text in `status_reason`, the message beside it in
+    `status_reason_message` (both empty when there is none)."""
+    dev.status_reason = "" if reason is None else str(reason)
+    dev.status_reason_message = "" if reason is None else to_stored(reason)
 
 
 def _error_output(error: ToolError) -> str:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from kunlun_common.messages import msg
 from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
@@ -263,7 +264,9 @@ class AscendAdapter(VendorAdapter):
         command = self.command()
         result = self._run(command)
         if "Health" not in result.stdout:
-            raise self._unparsable(command, "no NPU table found", result.stdout)
+            raise self._unparsable(
+                command, msg("device.ascend.no_table", "no NPU table found"), result.stdout
+            )
         keys = frozenset(chip_keys(result.stdout))
         if keys != self._mapped_keys:
             # Logical ids change only when chips come or go (driver reload): -m runs again only then.

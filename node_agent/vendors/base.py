@@ -28,6 +28,7 @@ from typing import ClassVar
 import structlog
 
 from kunlun_common.errors import TemporaryError
+from kunlun_common.messages import Message, msg
 
 log = structlog.get_logger()
 
@@ -72,7 +73,7 @@ class ObservedDevice:
 class ToolError(TemporaryError):
     """A vendor tool could not be run or did not give a usable answer."""
 
-    def __init__(self, message: str, *, tool: str, command: Sequence[str]) -> None:
+    def __init__(self, message: Message, *, tool: str, command: Sequence[str]) -> None:
         super().__init__(message)
         self.tool = tool
         self.command = list(command)
@@ -82,11 +83,14 @@ class ToolNotFound(ToolError):
     """The tool is not on the PATH the adapter searched."""
 
     def __init__(self, tool: str, command: Sequence[str], path: str) -> None:
-        message = (
-            f"{tool} not found on PATH ({path or '<empty>'}) while running `{format_command(command)}`; "
-            f"install the vendor driver and toolkit that provide {tool}, or add its directory to PATH "
-            "(in simulated mode, install the stand-in shims with "
-            "node_agent.plugins.standin.state.install_shims)"
+        message = msg(
+            "device.tool.not_found",
+            "{tool} not found on PATH ({path}) while running `{command}`; install the vendor driver and "
+            "toolkit that provide {tool}, or add its directory to PATH (in simulated mode, install the "
+            "stand-in shims with node_agent.plugins.standin.state.install_shims)",
+            tool=tool,
+            path=path or msg("device.tool.empty_path", "<empty>"),
+            command=format_command(command),
         )
         super().__init__(message, tool=tool, command=command)
         self.path = path
@@ -97,7 +101,7 @@ class ToolFailed(ToolError):
 
     def __init__(
         self,
-        message: str,
+        message: Message,
         *,
         tool: str,
         command: Sequence[str],
@@ -158,8 +162,15 @@ def run_tool(
         )
     except OSError as exc:
         raise ToolFailed(
-            f"`{format_command(command)}` could not be started ({executable}: {exc}); check that {tool} is "
-            "an executable for this machine and that the agent may run it",
+            msg(
+                "device.tool.not_started",
+                "`{command}` could not be started ({executable}: {error}); check that {tool} is an "
+                "executable for this machine and that the agent may run it",
+                command=format_command(command),
+                executable=executable,
+                error=str(exc),
+                tool=tool,
+            ),
             tool=tool,
             command=command,
         ) from exc
@@ -170,8 +181,14 @@ def run_tool(
         out_bytes, err_bytes = proc.communicate()
         log.warning("vendor_tool.timeout", tool=tool, command=format_command(command), timeout_s=timeout_s)
         raise ToolTimeout(
-            f"`{format_command(command)}` did not finish within {timeout_s:g} s and was killed; the driver "
-            f"may be hung (check dmesg and the {tool} daemon), or raise the adapter timeout",
+            msg(
+                "device.tool.timeout",
+                "`{command}` did not finish within {timeout_s:g} s and was killed; the driver may be hung "
+                "(check dmesg and the {tool} daemon), or raise the adapter timeout",
+                command=format_command(command),
+                timeout_s=timeout_s,
+                tool=tool,
+            ),
             tool=tool,
             command=command,
             stdout=_decode(out_bytes),
@@ -179,10 +196,17 @@ def run_tool(
         ) from None
     stdout, stderr = _decode(out_bytes), _decode(err_bytes)
     if proc.returncode not in ok_returncodes:
-        detail = stderr.strip() or stdout.strip() or "no output"
+        detail = stderr.strip() or stdout.strip()
         raise ToolFailed(
-            f"`{format_command(command)}` exited with code {proc.returncode}: {detail[:_STDERR_EXCERPT]}; "
-            f"check the {tool} installation and the driver (run the command by hand to see the full output)",
+            msg(
+                "device.tool.exit_code",
+                "`{command}` exited with code {code}: {detail}; check the {tool} installation and the driver "
+                "(run the command by hand to see the full output)",
+                command=format_command(command),
+                code=proc.returncode,
+                detail=detail[:_STDERR_EXCERPT] if detail else msg("device.tool.no_output", "no output"),
+                tool=tool,
+            ),
             tool=tool,
             command=command,
             returncode=proc.returncode,
@@ -253,10 +277,16 @@ class VendorAdapter(abc.ABC):
             self._record(command, result.stdout)
         return result
 
-    def _unparsable(self, command: Sequence[str], why: str, stdout: str) -> ToolFailed:
+    def _unparsable(self, command: Sequence[str], why: Message, stdout: str) -> ToolFailed:
         return ToolFailed(
-            f"`{format_command(command)}` printed output that cannot be parsed ({why}); this tool version may "
-            f"print a format the {self.device_type} adapter does not know: run it by hand and report the output",
+            msg(
+                "device.tool.unparsable",
+                "`{command}` printed output that cannot be parsed ({why}); this tool version may print a "
+                "format the {device_type} adapter does not know: run it by hand and report the output",
+                command=format_command(command),
+                why=why,
+                device_type=self.device_type,
+            ),
             tool=command[0],
             command=command,
             returncode=0,
@@ -347,23 +377,48 @@ def cross_check(
     declared_model: str,
     declared_memory_mb: int,
     observed: Sequence[ObservedDevice],
-) -> list[str]:
+) -> list[Message]:
     """Reasons why a declared device does not match what the tool reports; empty when it matches.
 
     The device is looked up by index. Memory may differ by at most 5 % of the declared size (tools report
-    a little less than the nominal size). Models are compared with `models_match`.
+    a little less than the nominal size). Models are compared with `models_match`. Each reason is a
+    message (str() of it: the English text), which kunlun-cli and kunlun-device-probe translate.
     """
     name = f"{device_type}:{declared_index}"
     match = next((d for d in observed if d.index == declared_index), None)
     if match is None:
-        found = ", ".join(str(d.index) for d in sorted(observed, key=lambda d: d.index)) or "none"
-        return [f"{name} declared but not found by {tool} (indexes it reports: {found})"]
-    reasons: list[str] = []
+        indexes = ", ".join(str(d.index) for d in sorted(observed, key=lambda d: d.index))
+        return [
+            msg(
+                "device.check.not_found",
+                "{name} declared but not found by {tool} (indexes it reports: {found})",
+                name=name,
+                tool=tool,
+                found=indexes or msg("device.check.no_index", "none"),
+            )
+        ]
+    reasons: list[Message] = []
     if not models_match(declared_model, match.model):
-        reasons.append(f"{name}: declared model {declared_model!r}, {tool} reports {match.model!r}")
+        reasons.append(
+            msg(
+                "device.check.model",
+                "{name}: declared model {declared!r}, {tool} reports {observed!r}",
+                name=name,
+                declared=declared_model,
+                tool=tool,
+                observed=match.model,
+            )
+        )
     if match.memory_total_mb is not None:
         if abs(match.memory_total_mb - declared_memory_mb) > MEMORY_TOLERANCE * declared_memory_mb:
             reasons.append(
-                f"{name}: declared {declared_memory_mb} MB, {tool} reports {match.memory_total_mb} MB"
+                msg(
+                    "device.check.memory",
+                    "{name}: declared {declared} MB, {tool} reports {observed} MB",
+                    name=name,
+                    declared=declared_memory_mb,
+                    tool=tool,
+                    observed=match.memory_total_mb,
+                )
             )
     return reasons

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kunlun_common.messages import Message, msg
 from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
@@ -47,7 +48,11 @@ JSON_FILE = "cnmon_info.json"
 
 
 class CnmonFormatError(ValueError):
-    """The JSON is not what `cnmon info -j` writes."""
+    """The JSON is not what `cnmon info -j` writes (the message says how)."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(str(message))
+        self.localizable = message
 
 
 def _section(card: dict[str, Any], name: str) -> dict[str, Any]:
@@ -82,16 +87,20 @@ def parse_cnmon_json(text: str) -> list[ObservedDevice]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CnmonFormatError(f"not JSON: {exc}") from exc
+        raise CnmonFormatError(msg("device.tool.not_json", "not JSON: {error}", error=str(exc))) from exc
     if not isinstance(data, dict) or not isinstance(data.get("CnmonInfo"), list):
-        raise CnmonFormatError('no "CnmonInfo" list')
+        raise CnmonFormatError(msg("device.cnmon.no_list", 'no "CnmonInfo" list'))
     devices: list[ObservedDevice] = []
     for position, card in enumerate(data["CnmonInfo"]):
         if not isinstance(card, dict):
-            raise CnmonFormatError(f"CnmonInfo[{position}] is not an object")
+            raise CnmonFormatError(
+                msg("device.cnmon.not_object", "CnmonInfo[{position}] is not an object", position=position)
+            )
         index = parse_int(card.get("CardNum"))
         if index is None:
-            raise CnmonFormatError(f"CnmonInfo[{position}] has no CardNum")
+            raise CnmonFormatError(
+                msg("device.cnmon.no_card", "CnmonInfo[{position}] has no CardNum", position=position)
+            )
         memory = _section(card, "PhysicalMemUsage")
         temperature = _section(card, "Temperature")
         used = parse_int(memory.get("Used"))
@@ -130,8 +139,13 @@ class CambriconAdapter(VendorAdapter):
                 text = path.read_text(encoding="utf-8", errors="replace")
             except FileNotFoundError:
                 raise ToolFailed(
-                    f"`{format_command(command)}` exited 0 but wrote no {JSON_FILE} in its working directory; "
-                    "this cnmon version may not support JSON mode (-j): upgrade the Cambricon driver/CNToolkit",
+                    msg(
+                        "device.cnmon.no_file",
+                        "`{command}` exited 0 but wrote no {file} in its working directory; this cnmon version "
+                        "may not support JSON mode (-j): upgrade the Cambricon driver/CNToolkit",
+                        command=format_command(command),
+                        file=JSON_FILE,
+                    ),
                     tool=self.tool,
                     command=command,
                     returncode=result.returncode,
@@ -142,7 +156,10 @@ class CambriconAdapter(VendorAdapter):
         try:
             return parse_cnmon_json(text)
         except CnmonFormatError as exc:
-            raise self._unparsable(command, f"{JSON_FILE}: {exc}", text) from exc
+            why = msg(
+                "device.tool.file_problem", "{file}: {problem}", file=JSON_FILE, problem=exc.localizable
+            )
+            raise self._unparsable(command, why, text) from exc
 
 
 VENDOR = Vendor(

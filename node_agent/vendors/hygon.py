@@ -29,6 +29,7 @@ import re
 import shutil
 from typing import Any
 
+from kunlun_common.messages import Message, msg
 from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
@@ -50,7 +51,11 @@ _POWER_KEYS = ("average graphics package power (w)", "current socket graphics pa
 
 
 class SmiFormatError(ValueError):
-    """The output is not the JSON that hy-smi/rocm-smi print."""
+    """The output is not the JSON that hy-smi/rocm-smi print (the message says how)."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(str(message))
+        self.localizable = message
 
 
 def _extract_json(text: str) -> Any:
@@ -60,11 +65,11 @@ def _extract_json(text: str) -> Any:
         pass
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end <= start:
-        raise SmiFormatError("no JSON object in the output")
+        raise SmiFormatError(msg("device.smi.no_json", "no JSON object in the output"))
     try:
         return json.loads(text[start : end + 1])
     except json.JSONDecodeError as exc:
-        raise SmiFormatError(f"not JSON: {exc}") from exc
+        raise SmiFormatError(msg("device.tool.not_json", "not JSON: {error}", error=str(exc))) from exc
 
 
 def _memory(fields: dict[str, Any], which: str) -> int | None:
@@ -86,7 +91,7 @@ def parse_smi_json(text: str) -> list[ObservedDevice]:
     """Parse `hy-smi/rocm-smi --json` output; raises SmiFormatError when it is not that format."""
     data = _extract_json(text)
     if not isinstance(data, dict):
-        raise SmiFormatError("the JSON is not an object")
+        raise SmiFormatError(msg("device.smi.not_object", "the JSON is not an object"))
     devices: list[ObservedDevice] = []
     for key, card in data.items():
         match = _CARD_RE.match(key.strip())
@@ -139,7 +144,7 @@ class HygonAdapter(VendorAdapter):
         try:
             return parse_smi_json(result.stdout)
         except SmiFormatError as exc:
-            raise self._unparsable(command, str(exc), result.stdout) from exc
+            raise self._unparsable(command, exc.localizable, result.stdout) from exc
 
 
 VENDOR = Vendor(

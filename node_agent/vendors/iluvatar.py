@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 
+from kunlun_common.messages import msg
 from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
@@ -79,7 +80,9 @@ class IluvatarAdapter(VendorAdapter):
             return []
         devices = parse_ixsmi_csv(result.stdout)
         if not devices:
-            raise self._unparsable(command, "no GPU line in the CSV", result.stdout)
+            raise self._unparsable(
+                command, msg("device.tool.no_gpu_line", "no GPU line in the CSV"), result.stdout
+            )
         return devices
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from kunlun_common.messages import msg
 from node_agent.vendors.base import (
     HEALTH_CRITICAL,
     HEALTH_OK,
@@ -233,10 +234,17 @@ class NvidiaAdapter(VendorAdapter):
         if result.returncode == RC_NO_DEVICES:
             if "no devices were found" in result.stdout.lower():
                 return []
-            raise self._unparsable(command, f"exit code {RC_NO_DEVICES} without 'No devices were found'", "")
+            why = msg(
+                "device.nvidia.no_devices_text",
+                "exit code {code} without 'No devices were found'",
+                code=RC_NO_DEVICES,
+            )
+            raise self._unparsable(command, why, "")
         rows, inforom = parse_query_csv(result.stdout)
         if not rows:
-            raise self._unparsable(command, "no GPU line in the CSV", result.stdout)
+            raise self._unparsable(
+                command, msg("device.tool.no_gpu_line", "no GPU line in the CSV"), result.stdout
+            )
         health = self._run(self.health_command(), ok_returncodes=(0, RC_INFOROM_CORRUPTED))
         return combine(rows, parse_nvsmi_log(health.stdout), inforom)
 
