@@ -11,7 +11,11 @@ One scenario, in order (each step needs the state the previous one left):
    interrupted restore (its marker left) is refused without --force, replicas started on it wait,
    and `restore --force` finishes it;
 4. replicas started on it: the same workloads (same ids) are placed and Running again, the key
-   and policy are there, a new leader leads, and a restore is now refused (replicas running).
+   and policy are there, a new leader leads, and a restore is now refused (replicas running);
+5. `restore --force` under the running replicas (the operator's way back to a known state): a
+   workload created after the backup is gone and its engine stopped, the backed-up ones keep
+   serving on the same devices, the replicas re-elect and the node is Ready again, and no device
+   ever ran two engines at once (the agent's engine ledger).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from devcluster.procs import stop_all, wait_for
 from kunlun_common.api import workload_pb2
 from kunlun_common.pki import paths_for
 from tests.conftest import FAST_TMP, LOG_KEEP, start_cluster, store_settings
+from tests.fault_helpers import events_of, ledger, overlaps
 from tests.sched_helpers import get, submit, workloads
 
 CLI = [sys.executable, "-m", "controlplane.cli.main"]
@@ -216,3 +221,45 @@ def test_backup_wipe_restore_and_the_cluster_serves_again(
     assert [(p["workload"], p["policy"]) for p in policies] == [("chat", "least_outstanding")]
     r = cli("cluster", "restore", str(backup), "--etcd-endpoints", etcd_eps)
     assert r.returncode == 1 and "replicas are running" in r.stderr, r.stderr
+
+    # ---- 5. restore --force under the running replicas: back to the backup's state
+    extra = submit(c, name="extra", model="qwen2-0.5b", pin="ascend:2", batch_size=1)
+    wait_for(lambda: running(c, "extra"), 90, "the workload made after the backup Running")
+    extra_iid = get(c, "extra").instances[0].id
+    serving = {n: running(c, n) for n in ("chat", "embed")}
+    forced = json.loads(
+        ok(
+            cli(
+                "cluster",
+                "restore",
+                str(backup),
+                "--etcd-endpoints",
+                etcd_eps,
+                "--force",
+                "--quiet",
+                "-o",
+                "json",
+            )
+        )
+    )
+    assert forced["written"] == restored["written"], forced
+    for name in c.replicas:
+        wait_for(lambda n=name: c.replica_serving(n), 60, f"{name} serving after the forced restore")
+    wait_for(lambda: all(c.node_ready(n) for n in c.agents), 60, "the node Ready after the forced restore")
+    wait_for(lambda: c.leader() in c.replicas, 60, "a leader after the forced restore")
+    wait_for(
+        lambda: {w.workload.id for w in workloads(c)} == {chat.id, embed.id} != {extra.id},
+        60,
+        "only the backed-up workloads",
+    )
+    wait_for(
+        lambda: bool(events_of(c, "node-a", extra_iid, "stop")),
+        60,
+        "the engine of the workload made after the backup stopped",
+    )
+    wait_for(lambda: running(c, "chat") and running(c, "embed"), 90, "the backed-up workloads Running")
+    for n, inst in serving.items():
+        now = running(c, n)
+        assert inst is not None and now is not None
+        assert (now.id, list(now.target_devices)) == (inst.id, list(inst.target_devices)), (n, now, inst)
+    assert overlaps(ledger(c, "node-a")) == []

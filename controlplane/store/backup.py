@@ -242,6 +242,27 @@ async def _wipe(ch: grpc.aio.Channel, policy: RestorePolicy, request_s: float) -
     await kv.DeleteRange(rpc.DeleteRangeRequest(key=policy.prefix.encode(), range_end=end), timeout=request_s)
 
 
+async def _keys_after(
+    ch: grpc.aio.Channel, policy: RestorePolicy, request_s: float
+) -> tuple[dict[str, bool], int]:
+    """Every key under the prefix (whether bound to a lease), read page by page, and the revision
+    of the first page."""
+    kv = rpc.KVStub(ch)
+    start, end = policy.prefix.encode(), prefix_end(policy.prefix)
+    present: dict[str, bool] = {}
+    revision = 0
+    while True:
+        r = await kv.Range(
+            rpc.RangeRequest(key=start, range_end=end, keys_only=True, limit=PAGE, revision=revision),
+            timeout=request_s,
+        )
+        revision = revision or int(r.header.revision)
+        present.update({m.key.decode(): bool(m.lease) for m in r.kvs})
+        if not r.more or not r.kvs:
+            return present, revision
+        start = r.kvs[-1].key + b"\0"
+
+
 async def _exists(ch: grpc.aio.Channel, key: str, request_s: float) -> bool:
     r = await rpc.KVStub(ch).Range(rpc.RangeRequest(key=key.encode(), count_only=True), timeout=request_s)
     return int(r.count) > 0
@@ -349,23 +370,28 @@ async def restore_backup(
             await kv.Txn(rpc.TxnRequest(success=ops), timeout=ep_timeout)
             done += len(batch)
             progress(done, len(todo))
-        after = await kv.Range(
-            rpc.RangeRequest(
-                key=policy.prefix.encode(), range_end=prefix_end(policy.prefix), count_only=True
-            ),
-            timeout=ep_timeout,
-        )
-        if int(after.count) != len(todo) + (1 if policy.marker else 0):
+        present, end_rev = await _keys_after(ch, policy, ep_timeout)
+        # replicas still running (`--force` under them) write their own per-process keys meanwhile
+        # (leased or under `never`): those are expected; any other key, or a restored one missing, is not
+        wanted = {r.key for r in todo} | ({policy.marker} if policy.marker else set())
+        unexpected = [
+            k
+            for k, leased in present.items()
+            if k not in wanted and not leased and not k.startswith(policy.never)
+        ]
+        missing = sorted(wanted - present.keys())
+        if unexpected or missing:
             raise TemporaryError(
                 msg(
-                    "backup.after_restore_etcd_holds",
-                    "after the restore etcd holds {count} keys under {prefix}, expected {count2} (something else wrote meanwhile?); run the restore again with --force",
-                    count=after.count,
+                    "backup.after_restore_etcd_holds_keys",
+                    "after the restore etcd holds {count} keys under {prefix} that the backup does not have (e.g. {key}) and lacks {count2} that it wrote (e.g. {key2}): something else wrote meanwhile; run the restore again with --force",
+                    count=len(unexpected),
                     prefix=policy.prefix,
-                    count2=len(todo),
+                    key=(unexpected or ["-"])[0],
+                    count2=len(missing),
+                    key2=(missing or ["-"])[0],
                 )
             )
-        end_rev = int(after.header.revision)
         if policy.marker:  # the last write: replicas may start
             end_rev = int(
                 (
