@@ -241,7 +241,11 @@ class NodeSessions:
             if dev is None:
                 continue
             session.samples[s.name] = s.telemetry
-            if s.status and (dev.status != s.status or dev.status_reason != s.status_reason):
+            if s.status and (
+                dev.status != s.status
+                or dev.status_reason != s.status_reason
+                or dev.status_reason_message != s.status_reason_message
+            ):
                 log.info(
                     "device status changed",
                     device=s.name,
@@ -251,6 +255,7 @@ class NodeSessions:
                 )
                 dev.status = s.status
                 dev.status_reason = s.status_reason
+                dev.status_reason_message = s.status_reason_message  # the agent's message, kept as sent
                 changed = True
             prev = session.snapshot_written.get(s.name)
             if prev is None or (

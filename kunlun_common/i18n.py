@@ -10,7 +10,8 @@ corrupt catalog means English, never a failure.
 What is translated: the CLI's help, messages and errors, the errors replicas send with a
 message id (kunlun_common/messages.py), and the start-up errors kunlun-platform, kunlun-agent and
 kunlun-gateway print (their settings and flag validators raise them with message ids), and each
-problem of a device-plugin config (node_agent/plugins/config.py), kunlun-cli verify's measured values,
+problem of a device-plugin config (node_agent/plugins/config.py), every line of kunlun-device-probe and
+the reasons agents give their devices (`status_reason_message` beside `status_reason`), kunlun-cli verify's measured values,
 thresholds and evidence descriptions (report.md too), the describe commands' field labels, and the
 reasons replicas store on instances and rollouts with a message beside them (`reason_message`,
 kunlun_common/messages.py `to_stored`), the scheduler's per-node reasons (the code stays, its

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.cli.client import CliError
+from controlplane.cli.verify.layer5 import Watch, missing_names, no_answer
 from controlplane.cli.views import describe_labels, describe_lines, device_json, node_json, shown_reason
 from controlplane.cli.workload_cmd import spec_labels
 from controlplane.feeds import overlay
@@ -138,3 +140,14 @@ def test_every_spec_field_has_a_label(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LANGUAGE", "zh_CN")
     labels = spec_labels()
     assert keys <= set(labels) and all(re.search(r"[\u4e00-\u9fff]", labels[k]) for k in keys)
+
+
+def test_layer5_reads_nobody_answered_in_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify layer 5's `missing:` list: the workloads a read missed and the reads no replica
+    answered, in English as before (`(no answer: ERROR) xN`) and wrapped in Chinese under zh_CN."""
+    w = Watch()
+    error = "no replica answered (127.0.0.1:1: unavailable)"
+    w.missing.update([no_answer(w, CliError(error)), no_answer(w, CliError(error)), "kunlun-verify-a"])
+    assert str(missing_names(w)) == f"(no answer: {error}) x2, kunlun-verify-a x1"
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert localize(missing_names(w)) == f"（无副本应答：{error}） ×2, kunlun-verify-a ×1"

@@ -206,3 +206,67 @@ def test_a_registration_refusal_carries_its_id(
         "devices[0].device_type：应为 "
     ), zh
     assert zh.endswith("之一，实际为 'npu'; devices[0].node：应为 'node-y'，实际为 'node-z'"), zh
+
+
+def test_a_device_reason_from_a_real_agent_in_chinese_and_english(replica: LocalCluster) -> None:
+    """A real kunlun-agent whose stand-in npu-smi reports chip 0 as another model with less memory and
+    lacks chip 1: the replica stores each device's English reason with its message (at registration,
+    and from a heartbeat when chip 1 comes back with a health warning), and `device describe` shows it
+    in the reader's language (`-o json`: English as stored)."""
+    from devcluster.procs import wait_for
+    from node_agent.plugins.standin.state import SimChip, write_state
+
+    state = replica.base / "node-x-state.json"
+    write_state(state, [SimChip("ascend", 0, "910A", 16384)])
+    config = replica.base / "node-x.yaml"
+    config.write_text(
+        "schema_version: 1\nnode:\n  name: node-x\n  address: 127.0.0.1\n  simulated: true\n"
+        f"  simulator_state: {state}\n  health_interval_seconds: 0.5\n"
+        "devices:\n  - device_type: ascend\n    device_ids: [0, 1]\n    model: 910B\n"
+        "    hbm_memory_mb: 32768\n    supported_dtypes: [fp16]\n    topology_distance: [[0, 1], [1, 0]]\n"
+    )
+    admin = _config(replica, "operator", "admin")
+
+    def reason_of(name: str) -> str:
+        return next((d.status_reason for d in replica.devices() if d.name == name), "")
+
+    agent = replica.start_agent(config, "node-x")
+    try:
+        wait_for(lambda: reason_of("node-x/ascend:1").startswith("ascend:1 declared"), 60, "node-x's devices")
+        missing = _cli(admin, "zh_CN.UTF-8", "device", "describe", "node-x/ascend:1")
+        assert missing.stdout.endswith(
+            "\n\nError：ascend:1 已声明，但 npu-smi 没有找到它（它报告的索引：0）\n"
+        )
+        write_state(
+            state,
+            [SimChip("ascend", 0, "910A", 16384), SimChip("ascend", 1, "910B", 32768, health="Warning")],
+        )
+        wait_for(lambda: reason_of("node-x/ascend:1") == "npu-smi reports health Warning", 60, "a heartbeat")
+        back = _cli(admin, "zh_CN.UTF-8", "device", "describe", "node-x/ascend:1")
+        assert back.returncode == 0, back.stderr
+        assert [line for line in back.stdout.splitlines() if line.startswith("状态原因")] == [
+            "状态原因            npu-smi 报告健康状态为 Warning"
+        ], back.stdout
+    finally:
+        agent.stop()
+    zh = _cli(admin, "zh_CN.UTF-8", "device", "describe", "node-x/ascend:0")
+    en = _cli(admin, "C.UTF-8", "device", "describe", "node-x/ascend:0")
+    assert zh.returncode == en.returncode == 0, (zh.stderr, en.stderr)
+    zh_reason = (
+        "ascend:0：声明的型号为 '910B'，npu-smi 报告为 '910A'; ascend:0：声明 32768 MB，npu-smi 报告 16384 MB"
+    )
+    en_reason = (
+        "ascend:0: declared model '910B', npu-smi reports '910A'; ascend:0: declared 32768 MB, npu-smi reports "
+        "16384 MB"
+    )
+    assert [line for line in zh.stdout.splitlines() if line.startswith("状态原因")] == [
+        f"状态原因            {zh_reason}"
+    ], zh.stdout
+    assert zh.stdout.endswith(f"\n节点地址            127.0.0.1\n\nError：{zh_reason}\n"), zh.stdout
+    assert [line for line in en.stdout.splitlines() if line.startswith("Status reason")] == [
+        f"Status reason       {en_reason}"
+    ], en.stdout
+    assert en.stdout.endswith(f"\nNode address        127.0.0.1\n\nError: {en_reason}\n"), en.stdout
+    out = _cli(admin, "zh_CN.UTF-8", "-o", "json", "device", "describe", "node-x/ascend:0")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["status_reason"] == en_reason

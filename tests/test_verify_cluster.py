@@ -299,6 +299,12 @@ def test_stored_reasons_in_chinese(cluster: LocalCluster, cli: Any) -> None:
     ]
     assert f"目标设备：[]  {'; '.join(zh_nodes)}\n" in zh.stdout, zh.stdout
     assert all(f"\n      {line}\n" in zh.stdout for line in zh_nodes), zh.stdout
+    dry_zh, dry_en = cli(*toobig, "--dry-run", lang="zh_CN.UTF-8"), cli(*toobig, "--dry-run", "-o", "json")
+    assert json.loads(dry_en.stdout)["plan"][0].startswith("instance 0: not placed now (node-a: Insufficient")
+    dry_line = dry_zh.stdout.splitlines()[1]
+    assert dry_line.startswith("  实例 0：目前无法放置（") and all(n in dry_line for n in zh_nodes), (
+        dry_zh.stdout
+    )
     assert all(f"\n      {n}: {r}\n" in en.stdout for n, r in big.unplaced_reasons.items()), en.stdout
     assert "等待调度" in zh.stdout and "waiting for placement" not in zh.stdout and "needs" not in zh.stdout
     # the spec's labels, and who wrote each history line

@@ -25,7 +25,7 @@ from controlplane.workloads.spec import MAX_REPLICAS, SpecError, checked
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, workload_pb2, workload_pb2_grpc
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import InvalidInput, NotFoundError, PermanentError, TemporaryError
-from kunlun_common.messages import msg, msg_list
+from kunlun_common.messages import msg, msg_list, to_stored
 from kunlun_common.states import WorkloadChange, scaled_to
 from kunlun_common.tls import Identity, TlsMaterial, channel_credentials
 
@@ -74,7 +74,10 @@ class WorkloadService(Servicer, workload_pb2_grpc.WorkloadServiceServicer):
         if request.dry_run:
             plan = await dry_run_plan(self.store, spec)
             return workload_pb2.SubmitWorkloadResponse(
-                workload=workload_pb2.Workload(spec=spec), result="dry-run", plan=plan
+                workload=workload_pb2.Workload(spec=spec),
+                result="dry-run",
+                plan=[str(m) for m in plan],
+                plan_messages=[to_stored(m) for m in plan],
             )
         w, result = await records.submit(self.store, spec, str(who))
         return workload_pb2.SubmitWorkloadResponse(workload=w, result=result)

@@ -6,8 +6,15 @@ import argparse
 from typing import Any
 
 from controlplane.cli.output import print_json, print_table
-from controlplane.cli.views import DEVICE_HEADERS, describe_lines, device_json, device_row
+from controlplane.cli.views import (
+    DEVICE_HEADERS,
+    describe_lines,
+    device_json,
+    device_row,
+    shown_status_reason,
+)
 from kunlun_common.api import cluster_pb2
+from kunlun_common.i18n import _
 from kunlun_common.states import DeviceState
 
 
@@ -49,9 +56,11 @@ def device_describe(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(d)
         return 0
+    reason = shown_status_reason(resp.device)  # in the reader's language (JSON above: as stored)
+    d["status_reason"] = reason
     for line in describe_lines(d):
         print(line)
     state = DeviceState.of(resp.device.status)
     if state is not DeviceState.READY:
-        print(f"\n{state}: {resp.device.status_reason}")
+        print("\n" + _("{state}: {reason}").format(state=state, reason=reason))
     return 0

@@ -32,6 +32,14 @@ def shown_reason(record: _WithReason) -> str:
     return localize(reason_of(record), record.reason)
 
 
+def shown_status_reason(d: types_pb2.Device) -> str:
+    """A device's status reason in the reader's language: the message its agent (or replica) set
+    beside it (`status_reason_message`), else its text as is (an older agent, a plugin's own text);
+    `-o json` keeps `status_reason` as stored."""
+    m = from_stored(d.status_reason_message, d.status_reason)
+    return d.status_reason if m is None else localize(m, d.status_reason)
+
+
 def device_json(d: types_pb2.Device) -> dict[str, Any]:
     t = d.telemetry
     return {

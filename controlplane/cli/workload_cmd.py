@@ -15,6 +15,7 @@ from controlplane.scheduler.reasons import node_reason_message
 from controlplane.workloads.spec import SpecError, parse_spec_yaml, spec_json
 from kunlun_common.api import workload_pb2
 from kunlun_common.i18n import _, error_text, localize, pgettext
+from kunlun_common.messages import from_stored
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -132,8 +133,10 @@ def submit(args: argparse.Namespace) -> int:
             )
         else:
             print(_("workload {name}: dry run, nothing written; spec valid").format(name=w.spec.name))
-            for line in resp.plan:
-                print(f"  {line}")
+            stored = list(resp.plan_messages) if len(resp.plan_messages) == len(resp.plan) else []
+            for n, line in enumerate(resp.plan):
+                m = from_stored(stored[n], line) if stored else None  # an older replica: its English lines
+                print("  " + (localize(m, line) if m is not None else line))
         return 0
     if args.output == "json":
         print_json(

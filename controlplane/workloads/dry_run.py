@@ -12,6 +12,7 @@ import time
 from controlplane import keys
 from controlplane.scheduler.model import PendingInstance
 from controlplane.scheduler.plan import schedule
+from controlplane.scheduler.reasons import node_reason_message
 from controlplane.scheduler.snapshot import (
     SCHEDULING,
     decode_state,
@@ -22,11 +23,14 @@ from controlplane.scheduler.snapshot import (
 from controlplane.store import EtcdStore
 from controlplane.store.contract import KV
 from kunlun_common.api import workload_pb2
+from kunlun_common.messages import Message, msg, msg_list
 
 DRY = "dry-run/"
 
 
-async def dry_run_plan(store: EtcdStore, spec: workload_pb2.WorkloadSpec) -> list[str]:
+async def dry_run_plan(store: EtcdStore, spec: workload_pb2.WorkloadSpec) -> list[Message]:
+    """One message per new instance: the devices it would take now (score, whom it would preempt),
+    or why no node takes it, per node (the filters' reasons, `reasons.node_reason_message`)."""
     kvs: dict[str, KV] = {}
     revision = 0
     for prefix in (*SCHEDULING, keys.TELEMETRY):
@@ -40,15 +44,50 @@ async def dry_run_plan(store: EtcdStore, spec: workload_pb2.WorkloadSpec) -> lis
     seq0 = max((p.seq for p in pending), default=0) + 1
     new = [PendingInstance(f"{DRY}{i}", req, now, seq0 + i) for i in range(max(1, spec.replicas))]
     plan = schedule(graph_snapshot(st), [*pending, *new], running, st.config, now)
-    lines: list[str] = []
+    lines: list[Message] = []
     for p in plan.placements:
         if p.instance_id.startswith(DRY):
-            pre = f", preempting {', '.join(p.preempts)}" if p.preempts else ""
-            lines.append(
-                f"instance {p.instance_id[len(DRY) :]}: {', '.join(p.devices)} (score {p.score:.2f}{pre})"
-            )
+            ordinal, devices, score = p.instance_id[len(DRY) :], ", ".join(p.devices), f"{p.score:.2f}"
+            if p.preempts:
+                lines.append(
+                    msg(
+                        "dry_run.placed_preempting",
+                        "instance {ordinal}: {devices} (score {score}, preempting {victims})",
+                        ordinal=ordinal,
+                        devices=devices,
+                        score=score,
+                        victims=", ".join(p.preempts),
+                    )
+                )
+            else:
+                lines.append(
+                    msg(
+                        "dry_run.placed",
+                        "instance {ordinal}: {devices} (score {score})",
+                        ordinal=ordinal,
+                        devices=devices,
+                        score=score,
+                    )
+                )
     for u in plan.unplaced:
         if u.instance_id.startswith(DRY):
-            why = "; ".join(f"{n}: {r}" for n, r in u.reasons.items()) or "no node"
-            lines.append(f"instance {u.instance_id[len(DRY) :]}: not placed now ({why})")
+            why: Message = (
+                msg_list(
+                    "dry_run.reasons",
+                    "{parts}",
+                    [node_reason_message(n, r) for n, r in u.reasons.items()],
+                    bullet="",
+                    sep="; ",
+                )
+                if u.reasons
+                else msg("instance.no_node", "no node")
+            )
+            lines.append(
+                msg(
+                    "dry_run.not_placed",
+                    "instance {ordinal}: not placed now ({why})",
+                    ordinal=u.instance_id[len(DRY) :],
+                    why=why,
+                )
+            )
     return lines

@@ -455,6 +455,7 @@ class SubmitWorkloadResponse(_message.Message):
     WORKLOAD_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    PLAN_MESSAGES_FIELD_NUMBER: _builtins.int
     result: _builtins.str
     """"created", "updated" or "unchanged" ("dry-run" for a dry run)."""
     @_builtins.property
@@ -463,16 +464,23 @@ class SubmitWorkloadResponse(_message.Message):
     def plan(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Dry run only: one line per instance, where it would land and why (or why not, per node)."""
 
+    @_builtins.property
+    def plan_messages(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """`plan` line by line as messages (JSON, as PhaseEvent.reason_message), for clients to show in
+        their reader's language; a line whose message is missing or no longer matches: `plan` as it is.
+        """
+
     def __init__(
         self,
         *,
         workload: Global___Workload | None = ...,
         result: _builtins.str = ...,
         plan: _abc.Iterable[_builtins.str] | None = ...,
+        plan_messages: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "result", b"result", "workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "plan_messages", b"plan_messages", "result", b"result", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

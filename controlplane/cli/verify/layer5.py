@@ -25,7 +25,7 @@ from controlplane.cli.verify.deploy import deploy
 from controlplane.cli.verify.model import Evidence, LayerResult, evidence
 from kunlun_common.api import cluster_pb2
 from kunlun_common.i18n import _
-from kunlun_common.messages import Message, msg, msg_list
+from kunlun_common.messages import Message, msg, msg_list, plain
 
 HANDOVER_LIMIT_MS = 10_000
 """Another replica must lead this soon after the drain call (two leader lease TTLs and more)."""
@@ -45,6 +45,8 @@ class Watch:
     reads_while_away: int = 0
     """Reads made while the drained process was still registered as exiting or not yet replaced."""
     missing: Counter[str] = field(default_factory=Counter)
+    no_answer: dict[str, Message] = field(default_factory=dict)
+    """The entries of `missing` that stand for a read no replica answered, as messages."""
     gone_after_s: float | None = None
     back: cluster_pb2.ReplicaInfo | None = None
     back_after_s: float = 0.0
@@ -52,6 +54,29 @@ class Watch:
     placement: str = ""
     not_ready: Counter[str] = field(default_factory=Counter)
     log: list[Message] = field(default_factory=list)
+
+
+def no_answer(w: Watch, e: CliError) -> str:
+    """The entry of `w.missing` for a read that no replica answered (the CLI's error, already in the
+    reader's language, cut to 120 characters), noted in `w.no_answer` as a message."""
+    why = str(e)[:120]
+    text = f"(no answer: {why})"
+    w.no_answer.setdefault(text, msg("verify.l5.no_answer", "(no answer: {error})", error=plain(why)))
+    return text
+
+
+def missing_names(w: Watch) -> Message:
+    """`NAME xCOUNT, ...` of what the reads missed (the workloads, and the reads nobody answered)."""
+    return msg_list(
+        "verify.l5.missing_names",
+        "{parts}",
+        [
+            msg("verify.l5.missing_name", "{name} x{count}", name=w.no_answer.get(n, n), count=c)
+            for n, c in w.missing.items()
+        ],
+        bullet="",
+        sep=", ",
+    )
 
 
 def status_evidence(status: dict[str, cluster_pb2.ReplicaInfo], leader: str) -> Evidence:
@@ -207,7 +232,7 @@ def drain_checkpoints(
                 msg(
                     "verify.l5.missing",
                     "; missing: {names}",
-                    names=", ".join(f"{n} x{c}" for n, c in w.missing.items()),
+                    names=missing_names(w),
                 )
             ]
             if w.missing
@@ -308,7 +333,7 @@ def watch(api: Api, target: str, old_pid: int, names: set[str], t0: float) -> Wa
             listed = {s.workload.spec.name for s in api.client.all_workloads()}
             missing = names - listed
         except CliError as e:  # no replica answered: as incomplete as a list can be
-            listed, missing = set(), {f"(no answer: {str(e)[:120]})"}
+            listed, missing = set(), {no_answer(w, e)}
         w.reads += 1
         w.complete_reads += not missing
         w.missing.update(missing)
