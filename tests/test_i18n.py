@@ -4,6 +4,7 @@ and English without it or when the catalog is missing or corrupt, and JSON stays
 
 from __future__ import annotations
 
+import ast
 import gettext
 import json
 import os
@@ -476,7 +477,7 @@ def test_table_titles_in_chinese_aligned_by_display_width(
 def test_a_table_whose_titles_cannot_be_extracted_fails_the_scan() -> None:
     bad = "from controlplane.cli.output import print_table\n\ndef f(h):\n    print_table(h, [])\n"
     ok = 'COLUMN_HEADERS = ["NAME"]\n\ndef f():\n    print_table(COLUMN_HEADERS, [])\n    print_table(["AGE"], [])\n'
-    places, flagged = tool._header_places(tool.ast.parse(bad))
+    places, flagged = tool._header_places(ast.parse(bad))
     assert places == [] and len(flagged) == 1
-    places, flagged = tool._header_places(tool.ast.parse(ok))
+    places, flagged = tool._header_places(ast.parse(ok))
     assert len(places) == 2 and flagged == []
