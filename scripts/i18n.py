@@ -151,13 +151,15 @@ REASON_MODULES = (
     "controlplane/rollout.py",
     "controlplane/workloads/rollouts.py",
     "controlplane/feeds.py",
+    "node_agent/executor/instance.py",  # the reasons a node reports for its instances (reason_message)
+    "node_agent/executor/manager.py",
 )
 """Where the replica writes the reasons it stores on instances and rollouts (and their history
 events): each is a message (`reason_message` beside the English `reason`), which kunlun-cli shows
 in its reader's language. A text given as a reason (the `reason` argument of `event`,
 `release_instance`, `retire_instance`, `_event`, a `reason=` keyword, an assignment to `reason` or
 `.reason`, a check appended to `failed`) must be a `msg(...)`."""
-REASON_ARGS = {"event": 3, "release_instance": 4, "retire_instance": 3, "_event": 3}
+REASON_ARGS = {"event": 3, "release_instance": 4, "retire_instance": 3, "_event": 3, "request_stop": 0, "Ended": 0}
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {

@@ -23,7 +23,7 @@ from controlplane.scheduler.reconcile import blocked_message, blocked_reason, bo
 from controlplane.workloads.spec import spec_json
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
 from kunlun_common.i18n import localize
-from kunlun_common.messages import msg, plain
+from kunlun_common.messages import msg, plain, to_stored
 from scripts import i18n as tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,34 @@ def test_old_and_replaced_reasons_stay_english(monkeypatch: pytest.MonkeyPatch) 
     # a message that no longer matches its text (another writer) is not used
     stale = workload_pb2.Instance(reason="something else", reason_message=old.reason_message or "{}")
     assert shown_reason(stale) == "something else"
+
+
+def test_a_nodes_reason_travels_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an agent says of its instance (a message beside the English text) reaches the instance
+    record, and the CLI shows it in the reader's language; the English texts are as before."""
+    from node_agent.executor.instance import Ended, describe_exit, joined
+
+    assert describe_exit(None).reason == "the supervisor vanished without recording how the engine ended"
+    ended = Ended(msg("instance.engine_exited", "engine exited with code {code}", code=3))
+    why = msg(
+        "instance.restart_in", "{why}; restart {restart} in {delay:.1f}s", why=ended.why, restart=2, delay=1.5
+    )
+    note = msg(
+        "prepare.sglang_fallback",
+        "SGLang is not installed on {node}: serving with kunlun-test-engine (a test engine)",
+        node="node-a",
+    )
+    reason = joined([why, note])
+    english = "engine exited with code 3; restart 2 in 1.5s; SGLang is not installed on node-a: serving with kunlun-test-engine (a test engine)"
+    assert str(reason) == english
+    inst = workload_pb2.Instance(id="i-1", phase="Scheduled", node="node-a")
+    st = agent_pb2.InstanceStatus(phase="CrashLoopBackOff", reason=english, reason_message=to_stored(reason))
+    overlay(inst, "node-a", st)
+    assert inst.reason == english and inst.reason_message == st.reason_message
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert shown_reason(inst) == (
+        "引擎以退出码 3 退出；1.5 秒后进行第 2 次重启; node-a 上未安装 SGLang：使用 kunlun-test-engine（测试引擎）提供服务"
+    )
 
 
 def test_blocked_reason_and_its_message_agree(monkeypatch: pytest.MonkeyPatch) -> None:
