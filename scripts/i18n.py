@@ -254,11 +254,50 @@ def cli_texts() -> list[Found]:
     return out + [Found(s, where=["argparse"]) for s in ARGPARSE_STRINGS]
 
 
+TABLE_HEADER = "table header"
+"""The gettext context of kunlun-cli's table column titles (controlplane/cli/output.print_table)."""
+
+
+def _header_places(tree: ast.AST) -> tuple[list[ast.expr], list[ast.Call]]:
+    """The column-title lists of one kunlun-cli module: the first argument of every print_table()
+    call and every module-level `...HEADERS = [...]`; and the calls whose titles are neither a literal
+    list nor such a name (unmarked: their titles could not be extracted)."""
+    places: list[ast.expr] = []
+    bad: list[ast.Call] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id.endswith("HEADERS") for t in node.targets
+        ):
+            places.append(node.value)
+        if isinstance(node, ast.Call) and _name(node.func) == "print_table" and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.List | ast.Tuple):
+                places.append(first)
+            elif not (isinstance(first, ast.Name) and first.id.endswith("HEADERS")):
+                bad.append(node)
+    return places, bad
+
+
+def header_texts(root: Path = ROOT) -> list[Found]:
+    """kunlun-cli's table column titles, extracted by their place (see _header_places), under the
+    context TABLE_HEADER: print_table translates them when it prints."""
+    out = []
+    for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        places, _bad = _header_places(ast.parse(path.read_text(encoding="utf-8"), rel))
+        for place in places:
+            if isinstance(place, ast.List | ast.Tuple):
+                for e in place.elts:
+                    if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value:
+                        out.append(Found(e.value, context=TABLE_HEADER, where=[f"{rel}:{e.lineno}"]))
+    return out
+
+
 def extract() -> tuple[list[Found], list[str]]:
     """Every user-facing string (merged by context and text, in order of first use) and the problems."""
     code, problems = scan_code()
     merged: dict[tuple[str | None, str], Found] = {}
-    for f in [*code, *cli_texts(), *verify_texts()]:
+    for f in [*code, *cli_texts(), *verify_texts(), *header_texts()]:
         have = merged.get((f.context, f.msgid))
         if have is None:
             merged[(f.context, f.msgid)] = Found(f.msgid, f.context, f.plural, list(f.where))
@@ -563,7 +602,14 @@ def unmarked(root: Path = ROOT) -> list[str]:
     start-up errors that is not marked."""
     out: list[str] = []
     for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
-        out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
+        rel = path.relative_to(root).as_posix()
+        out += unmarked_source(path.read_text(encoding="utf-8"), rel, False)
+        _places, bad = _header_places(ast.parse(path.read_text(encoding="utf-8"), rel))
+        out += [
+            f"{rel}:{c.lineno}: {ast.unparse(c)[:80]} (column titles must be a literal list or a ...HEADERS "
+            "name: they are extracted where written and translated where printed)"
+            for c in bad
+        ]
     for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
         rel = path.relative_to(root).as_posix()
         out += unmarked_source(path.read_text(encoding="utf-8"), rel, False, kind="verify")
