@@ -104,11 +104,11 @@ def test_probe_of_a_node_with_a_missing_a_wrong_and_a_warning_chip(tmp_path: Pat
         f"  node-a/ascend:3：由 {cfg}:11 的声明构建\n"
         f"    -> Error（{zh_wrong}）\n"
         "第 5 步：结果\n"
-        "  DEVICE           TYPE    MODEL  STATUS  REASON\n"
-        "  node-a/ascend:0  ascend  910B   Ready\n"
-        "  node-a/ascend:1  ascend  910B   Ready   npu-smi 报告健康状态为 Warning\n"
-        f"  node-a/ascend:2  ascend  910B   Error   {zh_missing}\n"
-        f"  node-a/ascend:3  ascend  910B   Error   {zh_wrong}\n"
+        "  设备             类型    型号  状态   原因\n"  # titles as kunlun-cli's, aligned by display width
+        "  node-a/ascend:0  ascend  910B  Ready\n"
+        "  node-a/ascend:1  ascend  910B  Ready  npu-smi 报告健康状态为 Warning\n"
+        f"  node-a/ascend:2  ascend  910B  Error  {zh_missing}\n"
+        f"  node-a/ascend:3  ascend  910B  Error  {zh_wrong}\n"
         f"4 个设备中有 2 个不可用（配置文件 {cfg}）：\n"
         f"  node-a/ascend:2：Error：{zh_missing}\n"
         f"  node-a/ascend:3：Error：{zh_wrong}\n"
@@ -203,8 +203,8 @@ def test_probe_missing_tool_bad_file_and_help_in_chinese_and_english(tmp_path: P
             f"  node-a/ascend:{i}：由 {cfg}:10 的声明构建\n    -> Error（npu-smi 无法使用，见第 3 步）\n"
             for i in range(4)
         )
-        + "第 5 步：结果\n  DEVICE           TYPE    MODEL  STATUS  REASON\n"
-        + "".join(f"  node-a/ascend:{i}  ascend  910B   Error   {zh_tool[:97]}...\n" for i in range(4))
+        + "第 5 步：结果\n  设备             类型    型号  状态   原因\n"
+        + "".join(f"  node-a/ascend:{i}  ascend  910B  Error  {zh_tool[:97]}...\n" for i in range(4))
         + f"节点 node-a 上没有可用设备（配置文件 {cfg}）：\n  ascend：{zh_tool}\n"
     )
     en_tool = (
