@@ -29,7 +29,9 @@ every text printed or given to an error, as in kunlun-cli; in the device-plugin 
 (DEVICE_MODULES: vendor tool errors, cross-checks, health notes, a plugin gone; the agent sends these
 reasons to the replicas with their message), every text given to a tool error, a reason or a verdict
 (DEVICE_ARGS), appended to `reasons` or `notes`, or put into a message (msg's values); in
-kunlun-device-probe (PROBE_MODULES), every text it says (`say`), prints or puts into a message.
+kunlun-device-probe (PROBE_MODULES), every text it says (`say`), prints or puts into a message; in the
+config checks kunlun-installer's `install` runs (INSTALLER_CHECKS), every text given to InstallError or
+to a step line (`say`), or put into a message.
 UNMARKED_OK lists the few deliberate exceptions.
 """
 
@@ -501,6 +503,34 @@ def _config_sinks(node: ast.AST) -> list[ast.expr]:
     return out
 
 
+INSTALLER_CHECKS = {"kunlun_installer/host.py": ("check_config", "check_etcd_env", "check_etcd_crl")}
+"""kunlun-installer's config checks (module: functions): the step, what happened and the fix of each
+refusal, and each step line, are messages, which the installer prints in the reader's language."""
+
+
+def _installer_sinks(node: ast.AST) -> list[ast.expr]:
+    out = _msg_values(node)
+    if isinstance(node, ast.Call) and _name(node.func) == "InstallError":
+        out += node.args
+    elif isinstance(node, ast.Call) and _name(node.func) in ("say", "print"):
+        out += node.args
+    return out
+
+
+def _installer_unmarked(text: str, source: str, functions: tuple[str, ...]) -> list[str]:
+    out = []
+    for fn in ast.walk(ast.parse(text, source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+            continue
+        for node in ast.walk(fn):
+            for arg in _installer_sinks(node):
+                for b in _leaves(arg):
+                    words = None if _marked(b) else _text_of(b)
+                    if words is not None and (source, words.strip()) not in UNMARKED_OK:
+                        out.append(f"{source}:{b.lineno}: {words.strip()[:80]!r}")
+    return out
+
+
 def _msg_values(node: ast.AST) -> list[ast.expr]:
     """The values put into a message (`msg(ID, TEMPLATE, name=VALUE)`): a text there must be one too."""
     if isinstance(node, ast.Call) and _name(node.func) in ("msg", "msg_list"):
@@ -606,6 +636,9 @@ def unmarked(root: Path = ROOT) -> list[str]:
     for where in REASON_MODULES:
         if (root / where).exists():
             out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, kind="reason")
+    for where, functions in INSTALLER_CHECKS.items():
+        if (root / where).exists():
+            out += _installer_unmarked((root / where).read_text(encoding="utf-8"), where, functions)
     for kind, modules in (("device", DEVICE_MODULES), ("probe", PROBE_MODULES)):
         for where in modules:
             paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))

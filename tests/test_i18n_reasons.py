@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ from controlplane.scheduler.reasons import reason_message
 from controlplane.scheduler.reconcile import blocked_message, blocked_reason, bounded_reasons
 from controlplane.workloads.spec import spec_json
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
-from kunlun_common.i18n import localize
+from kunlun_common.errors import ConfigError
+from kunlun_common.i18n import error_text, localize
 from kunlun_common.messages import msg, plain, to_stored
+from kunlun_common.settings import from_mapping
 from scripts import i18n as tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,3 +182,23 @@ def test_layer5_reads_nobody_answered_in_chinese(monkeypatch: pytest.MonkeyPatch
     assert str(missing_names(w)) == f"(no answer: {error}) x2, kunlun-verify-a x1"
     monkeypatch.setenv("LANGUAGE", "zh_CN")
     assert localize(missing_names(w)) == f"（无副本应答：{error}） ×2, kunlun-verify-a ×1"
+
+
+@dataclass(frozen=True)
+class _Typed:
+    names: tuple[str, ...] = ()
+    limit: int | None = None
+
+
+def test_list_and_alternative_types_read_in_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A settings field of a list or an alternative type, given the wrong type: English as before,
+    and under zh_CN without English words in the type's description."""
+    with pytest.raises(ConfigError) as e:
+        from_mapping(_Typed, {"names": "a", "limit": "b"}, "x.yaml")
+    assert str(e.value) == (
+        "invalid settings:\n  x.yaml: names: expected a list of a string, found 'a'\n"
+        "  x.yaml: limit: expected an integer or null, found 'b'"
+    )
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    shown = error_text(e.value)
+    assert "字符串列表" in shown and "整数或null" in shown and "a list of" not in shown, shown
