@@ -161,7 +161,14 @@ events): each is a message (`reason_message` beside the English `reason`), which
 in its reader's language. A text given as a reason (the `reason` argument of `event`,
 `release_instance`, `retire_instance`, `_event`, a `reason=` keyword, an assignment to `reason` or
 `.reason`, a check appended to `failed`) must be a `msg(...)`."""
-REASON_ARGS = {"event": 3, "release_instance": 4, "retire_instance": 3, "_event": 3, "request_stop": 0, "Ended": 0}
+REASON_ARGS = {
+    "event": 3,
+    "release_instance": 4,
+    "retire_instance": 3,
+    "_event": 3,
+    "request_stop": 0,
+    "Ended": 0,
+}
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
