@@ -44,10 +44,11 @@ def encode_status(node: str, st: agent_pb2.InstanceStatus) -> bytes:
     )
 
 
-def _node_reason(inst: workload_pb2.Instance, reason: str) -> None:
-    """A reason the node reports replaces the scheduler's, and its message with it (shown as is)."""
-    if reason != inst.reason:
-        inst.reason, inst.reason_message = reason, ""
+def _node_reason(inst: workload_pb2.Instance, st: agent_pb2.InstanceStatus) -> None:
+    """A reason the node reports replaces the scheduler's, and its message with it (the node's own
+    message when it sent one, which clients translate; else its text, shown as is)."""
+    if st.reason and (st.reason != inst.reason or st.reason_message != inst.reason_message):
+        inst.reason, inst.reason_message = st.reason, st.reason_message
 
 
 def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus) -> None:
@@ -58,9 +59,9 @@ def overlay(inst: workload_pb2.Instance, node: str, st: agent_pb2.InstanceStatus
     if st.phase and st.phase != InstancePhase.PENDING:
         inst.phase = st.phase
         if not inst.reason.startswith("DrainBlocked"):  # the scheduler's word on a blocked move stays visible
-            _node_reason(inst, st.reason or inst.reason)
+            _node_reason(inst, st)
     elif st.phase == InstancePhase.PENDING and st.reason.startswith(NODE_PENDING_REASONS):
-        _node_reason(inst, st.reason)  # the node waits for a device, or pulls/verifies the model package
+        _node_reason(inst, st)  # the node waits for a device, or pulls/verifies the model package
     inst.endpoint = st.endpoint
     inst.pid = st.pid
     inst.restarts = st.restarts

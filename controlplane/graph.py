@@ -17,6 +17,7 @@ from controlplane import keys, paging
 from controlplane.nodes import NodeSessions
 from controlplane.store import KV, EtcdStore
 from kunlun_common.api import types_pb2
+from kunlun_common.messages import Message, msg, to_stored
 
 
 async def load_nodes(store: EtcdStore, sessions: NodeSessions | None = None) -> list[types_pb2.Node]:
@@ -45,6 +46,16 @@ async def load_node_records(
     return merged(node_kvs, alive_kvs, tele_kvs, sessions)
 
 
+def node_not_ready(node: str) -> Message:
+    """Why the devices of a NotReady node are Unavailable (their `status_reason`, English, and
+    `status_reason_message`)."""
+    return msg(
+        "device.node_not_ready",
+        "node {node} is NotReady (its agent stopped sending heartbeats)",
+        node=node,
+    )
+
+
 def merged(
     node_kvs: list[KV], alive_kvs: list[KV], tele_kvs: list[KV], sessions: NodeSessions | None
 ) -> Iterator[types_pb2.Node]:
@@ -62,12 +73,17 @@ def merged(
         if session is not None:
             node.last_heartbeat_unix_ms = int(session.record.last_heartbeat_unix_ms)
         snapshot = tele.get(node.name, {}).get("devices", {})
+        not_ready: tuple[str, str] | None = None
         for d in node.devices:
             if session is not None and d.name in session.samples:
                 d.telemetry.CopyFrom(session.samples[d.name])
             elif d.name in snapshot:
                 json_format.ParseDict(snapshot[d.name], d.telemetry, ignore_unknown_fields=True)
             if not node.ready and d.status != types_pb2.DEVICE_STATUS_ERROR:
+                if not_ready is None:  # one message per node
+                    m = node_not_ready(node.name)
+                    not_ready = (str(m), to_stored(m))
                 d.status = types_pb2.DEVICE_STATUS_UNAVAILABLE
-                d.status_reason = f"node {node.name} is NotReady (its agent stopped sending heartbeats)"
+                # English as stored, and the message clients show in their reader's language
+                d.status_reason, d.status_reason_message = not_ready
         yield node

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from controlplane.cli.config import ClientConfig, default_path, write_client_config
@@ -86,10 +88,29 @@ def up(base: Path, free_ports: bool = False) -> int:
         f"writes them to {cluster.profile_dir}; `advanced_profiling=false` stops\n"
     )
     cli = Path(sys.executable).parent / "kunlun-cli"
-    subprocess.run(
-        [str(cli), "device", "list"], check=False, env={**os.environ, "KUNLUN_CONFIG": str(cfg_path)}
-    )
+    env = {**os.environ, "KUNLUN_CONFIG": str(cfg_path)}
+    settled(cli, env)
+    subprocess.run([str(cli), "device", "list"], check=False, env=env)
     return 0
+
+
+def settled(cli: Path, env: dict[str, str], timeout: float = 60.0) -> bool:
+    """Wait (bounded) until the very call the demo prints from (`kunlun-cli device list`) shows no
+    device Unavailable: over kept state, records of the previous run can still turn a node's
+    devices Unavailable for a moment after the agents registered again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = subprocess.run(
+            [str(cli), "device", "list", "-o", "json"], capture_output=True, text=True, env=env, timeout=30
+        )
+        try:
+            items = json.loads(r.stdout)["items"] if r.returncode == 0 else []
+        except (ValueError, KeyError):
+            items = []
+        if items and all(d.get("status") != "Unavailable" for d in items):
+            return True
+        time.sleep(0.5)  # a poll of another process's answer: there is no event to wait on
+    return False
 
 
 def main() -> None:

@@ -4,14 +4,16 @@ The language comes from the environment in gettext's usual order (LANGUAGE, LC_A
 LANG; e.g. `LANG=zh_CN.UTF-8`), the catalogs from `kunlun_common/locale/<lang>/LC_MESSAGES/kunlun.mo`
 (compiled from the .po files in the same folders by `make install`, scripts/i18n.py, and by the
 wheel build, setup.py), or from the
-folder named by `$KUNLUN_LOCALEDIR` (packagers: e.g. /usr/share/locale). A missing, unreadable or
-corrupt catalog means English, never a failure.
+folder named by `$KUNLUN_LOCALEDIR` (packagers: e.g. /usr/share/locale); a package imported from a
+zip (kunlun-installer runs from the bundle's wheel) reads its catalog from inside it. A missing,
+unreadable or corrupt catalog means English, never a failure.
 
 What is translated: the CLI's help, messages and errors, the errors replicas send with a
 message id (kunlun_common/messages.py), and the start-up errors kunlun-platform, kunlun-agent and
 kunlun-gateway print (their settings and flag validators raise them with message ids), and each
 problem of a device-plugin config (node_agent/plugins/config.py), every line of kunlun-device-probe and
-the reasons agents give their devices (`status_reason_message` beside `status_reason`), kunlun-cli verify's measured values,
+the reasons agents give their devices (`status_reason_message` beside `status_reason`), the config
+checks of kunlun-installer's install (kunlun_installer/host.py), kunlun-cli verify's measured values,
 thresholds and evidence descriptions (report.md too), the describe commands' field labels, and the
 reasons replicas store on instances and rollouts with a message beside them (`reason_message`,
 kunlun_common/messages.py `to_stored`), the scheduler's per-node reasons (the code stays, its
@@ -25,7 +27,9 @@ catalog coverage test) finds it; put values in with `.format(name=...)` after tr
 
 from __future__ import annotations
 
+import functools
 import gettext
+import importlib.resources
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,10 +56,43 @@ def translations() -> gettext.NullTranslations:
     Looked up on every call (gettext caches the parsed file), so a change of the environment takes
     effect at once; a catalog that cannot be read or parsed counts as missing.
     """
+    where = localedir()
     try:
-        return gettext.translation(DOMAIN, str(localedir()), fallback=True)
+        if where == PACKAGE_LOCALEDIR and not where.is_dir():
+            return _zipped(_languages())
+        return gettext.translation(DOMAIN, str(where), fallback=True)
     except Exception:  # a corrupt or unreadable .mo must not stop the CLI: English instead
         return gettext.NullTranslations()
+
+
+def _languages() -> tuple[str, ...]:
+    """The catalog names to try, in gettext's order (`zh_CN.UTF-8` -> zh_CN, zh; up to C)."""
+    for var in ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
+        value = os.environ.get(var)
+        if value:
+            break
+    else:
+        return ()
+    out: list[str] = []
+    for lang in value.split(":"):
+        if lang in ("C", "POSIX") or lang.startswith(("C.", "POSIX.")):
+            break
+        base = lang.split(".")[0].split("@")[0]
+        out += [base, base.split("_")[0]]
+    return tuple(dict.fromkeys(x for x in out if x))
+
+
+@functools.lru_cache(maxsize=8)
+def _zipped(languages: tuple[str, ...]) -> gettext.NullTranslations:
+    """The catalog read from inside the package when it is not a folder: kunlun-installer runs
+    straight from the bundle's wheel (a zip file on PYTHONPATH), where gettext finds no file."""
+    root = importlib.resources.files(__package__ or "kunlun_common").joinpath("locale")
+    for lang in languages:
+        mo = root.joinpath(lang, "LC_MESSAGES", f"{DOMAIN}.mo")
+        if mo.is_file():
+            with mo.open("rb") as f:
+                return gettext.GNUTranslations(f)
+    return gettext.NullTranslations()
 
 
 def _(message: str) -> str:

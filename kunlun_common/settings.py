@@ -47,7 +47,17 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 
 def _describe_msg(tp: Any) -> Message:
-    """The type's description as a message (the simple types translated, the others in English)."""
+    """The type's description as a message, its English text `_describe`'s (the simple types, lists
+    and alternatives translated; `null` and class names as they are)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        first, *rest = typing.get_args(tp)
+        out = _describe_msg(first)
+        for other in rest:
+            out = msg("settings.type.either", "{first} or {second}", first=out, second=_describe_msg(other))
+        return out
+    if origin is tuple:
+        return msg("settings.type.list", "a list of {item}", item=_describe_msg(typing.get_args(tp)[0]))
     if tp is int:
         return msg("settings.type.int", "an integer")
     if tp is float:

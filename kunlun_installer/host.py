@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kunlun_common.i18n import localize
+from kunlun_common.messages import Message, msg
 from kunlun_installer.bundle import Bundle, sha256_file
 from kunlun_installer.errors import InstallError
 from kunlun_installer.units import ROLES, render
@@ -35,8 +37,17 @@ from kunlun_installer.units import ROLES, render
 STATE = "state/installed.json"
 
 
-def say(step: str, what: str) -> None:
-    print(f"[{step}] {what}", flush=True)
+def say(step: str | Message, what: str | Message) -> None:
+    """One step line, `[STEP] WHAT`; a message is shown in the reader's language."""
+    print(f"[{_shown(step)}] {_shown(what)}", flush=True)
+
+
+def _shown(text: str | Message) -> str:
+    return localize(text) if isinstance(text, Message) else text
+
+
+def _check_config_step() -> Message:
+    return msg("installer.step.check_config", "check config")
 
 
 @dataclass(frozen=True)
@@ -245,14 +256,46 @@ def check_config(rel: Path, role: str, path: Path) -> None:
     }.get(role)
     if code is None:
         return
-    say("check config", f"{path}: read by the release's own loader")
+    say(
+        _check_config_step(),
+        msg("installer.config_read", "{path}: read by the release's own loader", path=str(path)),
+    )
     py = rel / "venv" / "bin" / "python"
     r = subprocess.run(
-        [str(py), "-c", "import sys; " + code, str(path)], capture_output=True, text=True, timeout=60
+        [str(py), "-c", _LOADER.format(code=code), str(path)], capture_output=True, text=True, timeout=60
     )
     if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise InstallError("check config", f"{path}: {last}", "fix the file and run install again")
+        last = r.stderr.strip().splitlines()
+        raise InstallError(
+            _check_config_step(),
+            msg(
+                "installer.config_refused",
+                "{path}: {error}",
+                path=str(path),
+                error=last[-1] if last else msg("installer.no_message", "(no message)"),
+            ),
+            msg("installer.config_fix", "fix the file and run install again"),
+        )
+
+
+_LOADER = """\
+import sys
+try:
+    {code}
+except Exception as e:
+    from kunlun_common.i18n import error_text
+    kind, where = type(e).__qualname__, type(e).__module__
+    kind = kind if where in ("builtins", "__main__") else where + "." + kind
+    text = error_text(e)
+    print(kind + ": " + text if text else kind, file=sys.stderr)
+    sys.exit(1)
+"""
+"""How the installer runs a check with the release's own code: an error's last line as a traceback
+would end (`module.Class: text`), its text in the reader's language (the release's catalog)."""
+
+
+def _certificates_step() -> Message:
+    return msg("installer.step.certificates", "certificates")
 
 
 ETCD_REQUIRED = ("ETCD_NAME", "ETCD_DATA_DIR", "ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS")
@@ -264,12 +307,16 @@ def check_etcd_env(path: Path) -> None:
     env = _parse_env_file(path)
     missing = [k for k in ETCD_REQUIRED if k not in env]
     if missing:
-        raise InstallError("check config", f"{path}: missing {', '.join(missing)}", "see examples/etcd.env")
+        raise InstallError(
+            _check_config_step(),
+            msg("installer.etcd_missing", "{path}: missing {keys}", path=str(path), keys=", ".join(missing)),
+            msg("installer.etcd_example", "see examples/etcd.env"),
+        )
     if env.get("ETCD_CLIENT_CERT_AUTH", "").lower() != "true":
         raise InstallError(
-            "check config",
-            f"{path}: ETCD_CLIENT_CERT_AUTH must be true",
-            "etcd accepts only certificate-holding clients",
+            _check_config_step(),
+            msg("installer.etcd_cert_auth", "{path}: ETCD_CLIENT_CERT_AUTH must be true", path=str(path)),
+            msg("installer.etcd_cert_auth_why", "etcd accepts only certificate-holding clients"),
         )
 
 
@@ -285,17 +332,37 @@ def check_etcd_crl(rel: Path, certs: Path) -> None:
     crl, ca = certs / ETCD_CRL, certs / "etcd-ca.crt"
     if not crl.is_file():
         raise InstallError(
-            "certificates",
-            f"{crl}: missing (etcd's --client-crl-file)",
-            "copy DIR/crl/etcd.crl from the `kunlun-cli certs init DIR` folder with the member's certs",
+            _certificates_step(),
+            msg("installer.crl_missing", "{crl}: missing (etcd's --client-crl-file)", crl=str(crl)),
+            msg(
+                "installer.crl_copy",
+                "copy DIR/crl/etcd.crl from the `kunlun-cli certs init DIR` folder with the member's certs",
+            ),
         )
     py = rel / "venv" / "bin" / "python"
     code = "import sys; from kunlun_common.pki import check_crl as c; print(c(sys.argv[1], sys.argv[2]))"
-    r = subprocess.run([str(py), "-c", code, str(crl), str(ca)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(py), "-c", _LOADER.format(code=code), str(crl), str(ca)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise InstallError("certificates", last, "give the CRL written by this cluster's etcd CA")
-    say("certificates", f"{crl}: CRL signed by the etcd CA, {r.stdout.strip()} revoked serial(s)")
+        last = r.stderr.strip().splitlines()
+        raise InstallError(
+            _certificates_step(),
+            last[-1] if last else msg("installer.no_message", "(no message)"),
+            msg("installer.crl_give", "give the CRL written by this cluster's etcd CA"),
+        )
+    say(
+        _certificates_step(),
+        msg(
+            "installer.crl_ok",
+            "{crl}: CRL signed by the etcd CA, {count} revoked serial(s)",
+            crl=str(crl),
+            count=r.stdout.strip(),
+        ),
+    )
 
 
 @dataclass(frozen=True)

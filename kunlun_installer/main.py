@@ -126,5 +126,5 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"current: {state.get('current') or '-'}  previous: {state.get('previous') or '-'}")
                 print(f"roles: {', '.join(sorted(state.get('roles') or {})) or '-'}")
     except InstallError as e:
-        print(f"kunlun-installer: {e}", file=sys.stderr)
+        print(f"kunlun-installer: {e.shown()}", file=sys.stderr)
         sys.exit(2)

@@ -16,8 +16,8 @@ the file cannot be used (or the arguments are wrong). `-o json` prints one JSON 
 
 Every line is a message (`kunlun_common.messages`): printed in the reader's language (`LANG=zh_CN.UTF-8`:
 Chinese; the help and argparse's own errors too), while `-o json` keeps every text in English (its `log`,
-`problems`, `why`, the devices' `status_reason`), as scripts read it. The table's columns and statuses
-stay as they are; its reasons are translated.
+`problems`, `why`, the devices' `status_reason`), as scripts read it. The table's titles and reasons are
+translated (as kunlun-cli's tables), its values and statuses stay as they are.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
 from kunlun_common.api import types_pb2
-from kunlun_common.i18n import _, bind_global_domain, localize
+from kunlun_common.i18n import _, bind_global_domain, localize, pgettext
 from kunlun_common.logs import setup_logging
 from kunlun_common.messages import Message, from_stored, msg, of_error, plain
 from node_agent.devices import DeviceManager
@@ -225,15 +226,35 @@ def _short(text: str, verbose: bool) -> str:
     return text if verbose or len(text) <= REASON_WIDTH else text[: REASON_WIDTH - 3] + "..."
 
 
+def _width(text: str) -> int:
+    """Terminal columns of `text` (a wide, CJK, character takes two)."""
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def _titles(out: Report) -> tuple[str, ...]:
+    """The table's column titles: as kunlun-cli's tables, in the reader's language (`-o json`'s log: English)."""
+    titles = (
+        pgettext("table header", "DEVICE"),
+        pgettext("table header", "TYPE"),
+        pgettext("table header", "MODEL"),
+        pgettext("table header", "STATUS"),
+        pgettext("table header", "REASON"),
+    )
+    return ("DEVICE", "TYPE", "MODEL", "STATUS", "REASON") if out.english else titles
+
+
 def _table(devices: list[types_pb2.Device], verbose: bool, out: Report) -> list[str]:
-    """The result table: columns and statuses as they are, reasons in the reader's language."""
-    rows = [("DEVICE", "TYPE", "MODEL", "STATUS", "REASON")]
+    """The result table: column titles and reasons in the reader's language, values and statuses as they are."""
+    rows = [_titles(out)]
     for d in devices:
         reason = _reason(d)
         shown = "" if reason is None else out.text(reason)
         rows.append((d.name, d.device_type, d.model, status_name(d.status), _short(shown, verbose)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return [("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4]).rstrip() for r in rows]
+    widths = [max(_width(r[i]) for r in rows) for i in range(4)]
+    return [
+        ("  ".join(r[i] + " " * (widths[i] - _width(r[i])) for i in range(4)) + "  " + r[4]).rstrip()
+        for r in rows
+    ]
 
 
 def _why_unusable(manager: DeviceManager, devices: list[types_pb2.Device]) -> list[tuple[str, Message]]:

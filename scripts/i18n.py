@@ -29,7 +29,9 @@ every text printed or given to an error, as in kunlun-cli; in the device-plugin 
 (DEVICE_MODULES: vendor tool errors, cross-checks, health notes, a plugin gone; the agent sends these
 reasons to the replicas with their message), every text given to a tool error, a reason or a verdict
 (DEVICE_ARGS), appended to `reasons` or `notes`, or put into a message (msg's values); in
-kunlun-device-probe (PROBE_MODULES), every text it says (`say`), prints or puts into a message.
+kunlun-device-probe (PROBE_MODULES), every text it says (`say`), prints or puts into a message; in the
+config checks kunlun-installer's `install` runs (INSTALLER_CHECKS), every text given to InstallError or
+to a step line (`say`), or put into a message.
 UNMARKED_OK lists the few deliberate exceptions.
 """
 
@@ -151,13 +153,22 @@ REASON_MODULES = (
     "controlplane/rollout.py",
     "controlplane/workloads/rollouts.py",
     "controlplane/feeds.py",
+    "node_agent/executor/instance.py",  # the reasons a node reports for its instances (reason_message)
+    "node_agent/executor/manager.py",
 )
 """Where the replica writes the reasons it stores on instances and rollouts (and their history
 events): each is a message (`reason_message` beside the English `reason`), which kunlun-cli shows
 in its reader's language. A text given as a reason (the `reason` argument of `event`,
 `release_instance`, `retire_instance`, `_event`, a `reason=` keyword, an assignment to `reason` or
 `.reason`, a check appended to `failed`) must be a `msg(...)`."""
-REASON_ARGS = {"event": 3, "release_instance": 4, "retire_instance": 3, "_event": 3}
+REASON_ARGS = {
+    "event": 3,
+    "release_instance": 4,
+    "retire_instance": 3,
+    "_event": 3,
+    "request_stop": 0,
+    "Ended": 0,
+}
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""
 UNMARKED_OK = {
@@ -252,11 +263,50 @@ def cli_texts() -> list[Found]:
     return out + [Found(s, where=["argparse"]) for s in ARGPARSE_STRINGS]
 
 
+TABLE_HEADER = "table header"
+"""The gettext context of kunlun-cli's table column titles (controlplane/cli/output.print_table)."""
+
+
+def _header_places(tree: ast.AST) -> tuple[list[ast.expr], list[ast.Call]]:
+    """The column-title lists of one kunlun-cli module: the first argument of every print_table()
+    call and every module-level `...HEADERS = [...]`; and the calls whose titles are neither a literal
+    list nor such a name (unmarked: their titles could not be extracted)."""
+    places: list[ast.expr] = []
+    bad: list[ast.Call] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id.endswith("HEADERS") for t in node.targets
+        ):
+            places.append(node.value)
+        if isinstance(node, ast.Call) and _name(node.func) == "print_table" and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.List | ast.Tuple):
+                places.append(first)
+            elif not (isinstance(first, ast.Name) and first.id.endswith("HEADERS")):
+                bad.append(node)
+    return places, bad
+
+
+def header_texts(root: Path = ROOT) -> list[Found]:
+    """kunlun-cli's table column titles, extracted by their place (see _header_places), under the
+    context TABLE_HEADER: print_table translates them when it prints."""
+    out = []
+    for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        places, _bad = _header_places(ast.parse(path.read_text(encoding="utf-8"), rel))
+        for place in places:
+            if isinstance(place, ast.List | ast.Tuple):
+                for e in place.elts:
+                    if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value:
+                        out.append(Found(e.value, context=TABLE_HEADER, where=[f"{rel}:{e.lineno}"]))
+    return out
+
+
 def extract() -> tuple[list[Found], list[str]]:
     """Every user-facing string (merged by context and text, in order of first use) and the problems."""
     code, problems = scan_code()
     merged: dict[tuple[str | None, str], Found] = {}
-    for f in [*code, *cli_texts(), *verify_texts()]:
+    for f in [*code, *cli_texts(), *verify_texts(), *header_texts()]:
         have = merged.get((f.context, f.msgid))
         if have is None:
             merged[(f.context, f.msgid)] = Found(f.msgid, f.context, f.plural, list(f.where))
@@ -460,6 +510,34 @@ def _config_sinks(node: ast.AST) -> list[ast.expr]:
     return out
 
 
+INSTALLER_CHECKS = {"kunlun_installer/host.py": ("check_config", "check_etcd_env", "check_etcd_crl")}
+"""kunlun-installer's config checks (module: functions): the step, what happened and the fix of each
+refusal, and each step line, are messages, which the installer prints in the reader's language."""
+
+
+def _installer_sinks(node: ast.AST) -> list[ast.expr]:
+    out = _msg_values(node)
+    if isinstance(node, ast.Call) and _name(node.func) == "InstallError":
+        out += node.args
+    elif isinstance(node, ast.Call) and _name(node.func) in ("say", "print"):
+        out += node.args
+    return out
+
+
+def _installer_unmarked(text: str, source: str, functions: tuple[str, ...]) -> list[str]:
+    out = []
+    for fn in ast.walk(ast.parse(text, source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+            continue
+        for node in ast.walk(fn):
+            for arg in _installer_sinks(node):
+                for b in _leaves(arg):
+                    words = None if _marked(b) else _text_of(b)
+                    if words is not None and (source, words.strip()) not in UNMARKED_OK:
+                        out.append(f"{source}:{b.lineno}: {words.strip()[:80]!r}")
+    return out
+
+
 def _msg_values(node: ast.AST) -> list[ast.expr]:
     """The values put into a message (`msg(ID, TEMPLATE, name=VALUE)`): a text there must be one too."""
     if isinstance(node, ast.Call) and _name(node.func) in ("msg", "msg_list"):
@@ -533,7 +611,14 @@ def unmarked(root: Path = ROOT) -> list[str]:
     start-up errors that is not marked."""
     out: list[str] = []
     for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
-        out += unmarked_source(path.read_text(encoding="utf-8"), path.relative_to(root).as_posix(), False)
+        rel = path.relative_to(root).as_posix()
+        out += unmarked_source(path.read_text(encoding="utf-8"), rel, False)
+        _places, bad = _header_places(ast.parse(path.read_text(encoding="utf-8"), rel))
+        out += [
+            f"{rel}:{c.lineno}: {ast.unparse(c)[:80]} (column titles must be a literal list or a ...HEADERS "
+            "name: they are extracted where written and translated where printed)"
+            for c in bad
+        ]
     for path in sorted((root / VERIFY_PACKAGE).glob("*.py")):
         rel = path.relative_to(root).as_posix()
         out += unmarked_source(path.read_text(encoding="utf-8"), rel, False, kind="verify")
@@ -558,6 +643,9 @@ def unmarked(root: Path = ROOT) -> list[str]:
     for where in REASON_MODULES:
         if (root / where).exists():
             out += unmarked_source((root / where).read_text(encoding="utf-8"), where, True, kind="reason")
+    for where, functions in INSTALLER_CHECKS.items():
+        if (root / where).exists():
+            out += _installer_unmarked((root / where).read_text(encoding="utf-8"), where, functions)
     for kind, modules in (("device", DEVICE_MODULES), ("probe", PROBE_MODULES)):
         for where in modules:
             paths = [root / where] if where.endswith(".py") else sorted((root / where).rglob("*.py"))

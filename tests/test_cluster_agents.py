@@ -1,14 +1,18 @@
+# ruff: noqa: RUF001  (Chinese text is written with its own full-width punctuation)
 """Node agents: failover between replicas, node lease expiry, and bad input at start-up."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+from controlplane.cli.config import ClientConfig, write_client_config
 from devcluster.cluster import LocalCluster
 from devcluster.procs import wait_for
 from kunlun_common.api import cluster_pb2, types_pb2
+from kunlun_common.pki import paths_for
 
 
 def nodes(cluster: LocalCluster) -> dict[str, types_pb2.Node]:
@@ -62,13 +66,40 @@ def test_agent_moves_when_its_replica_is_paused(cluster: LocalCluster) -> None:
     assert nodes(cluster)["node-b"].ready
 
 
-def test_dead_agent_turns_node_not_ready_and_devices_unavailable(cluster: LocalCluster) -> None:
+def cli(cluster: LocalCluster, tmp_path: Path, *args: str, lang: str = "") -> str:
+    """kunlun-cli as the operator, in the language `lang` (English when empty); its stdout."""
+    p = paths_for(cluster.cert_dir, "operator", "admin")
+    cfg = tmp_path / "client.yaml"
+    write_client_config(cfg, ClientConfig(tuple(cluster.endpoints), str(p.ca), str(p.cert), str(p.key)))
+    env = {"KUNLUN_CONFIG": str(cfg), "PATH": "/usr/bin:/bin", **({"LANG": lang} if lang else {})}
+    r = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_dead_agent_turns_node_not_ready_and_devices_unavailable(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
     wait_for(lambda: nodes(cluster)["node-b"].ready, 30, "node-b ready")
     cluster.agents["node-b"].kill()
     wait_for(lambda: not nodes(cluster)["node-b"].ready, 40, "node-b NotReady after its lease expires")
     devs = nodes(cluster)["node-b"].devices
     assert devs and all(d.status == types_pb2.DEVICE_STATUS_UNAVAILABLE for d in devs)
     assert "NotReady" in devs[0].status_reason
+    # kunlun-cli device describe: the replica's reason in English, in Chinese under zh_CN; JSON English
+    english = "node node-b is NotReady (its agent stopped sending heartbeats)"
+    en, zh, js = (
+        cli(cluster, tmp_path, "device", "describe", "node-b/cambricon:0", *more, lang=lang)
+        for more, lang in (((), ""), ((), "zh_CN.UTF-8"), (("-o", "json"), "zh_CN.UTF-8"))
+    )
+    assert f"Unavailable: {english}\n" in en and json.loads(js)["status_reason"] == english, (en, js)
+    assert "节点 node-b 未就绪（其 agent 已停止发送心跳）\n" in zh and "heartbeats" not in zh, zh
     # the leader recorded the transition
     log = "".join(p.log_text() for p in cluster.replicas.values())
     assert "node readiness changed" in log and "node lease expired" in log

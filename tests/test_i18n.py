@@ -4,6 +4,7 @@ and English without it or when the catalog is missing or corrupt, and JSON stays
 
 from __future__ import annotations
 
+import ast
 import gettext
 import json
 import os
@@ -440,3 +441,43 @@ def test_certificate_warnings_read_as_before_and_in_chinese(monkeypatch: pytest.
         "证书 agent:node-a（序列号 1f）将在 3 天后过期（2027-01-18 08:00 UTC）；请用 "
         "`kunlun-cli certs rotate DIR --name node-a` 续签并重新加载该组件（SIGHUP）"
     )
+
+
+def test_table_titles_in_chinese_aligned_by_display_width(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extracted: list[tool.Found]
+) -> None:
+    """Every column title of every kunlun-cli table is extracted (by its place) and printed in the
+    reader's language; Chinese titles take two columns per character and the values stay aligned;
+    English output is exactly as before."""
+    from controlplane.cli.output import TABLE_HEADER, print_table, width
+
+    titles = {f.msgid for f in extracted if f.context == TABLE_HEADER}
+    assert {
+        "NODE",
+        "DEVICE",
+        "STATUS",
+        "AGENT PID",
+        "P95 VS BASELINE",
+        "TIME",
+    } <= titles  # literal and ...HEADERS
+    monkeypatch.setenv("LANGUAGE", "C")
+    monkeypatch.setenv("LC_ALL", "C")
+    print_table(["NAME", "STATUS"], [["node-a", "Ready"]])
+    assert capsys.readouterr().out == "NAME    STATUS\nnode-a  Ready\n"
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    print_table(["NAME", "STATUS", "DEVICES"], [["node-a", "Ready", 4], ["node-bb", "NotReady", 12]])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "名称     状态      设备数"
+    assert [
+        width(line[: line.index(v)]) for line, v in zip(lines, ("状态", "Ready", "NotReady"), strict=True)
+    ] == [9] * 3
+    assert width("名称") == 4 and width("node-a") == 6
+
+
+def test_a_table_whose_titles_cannot_be_extracted_fails_the_scan() -> None:
+    bad = "from controlplane.cli.output import print_table\n\ndef f(h):\n    print_table(h, [])\n"
+    ok = 'COLUMN_HEADERS = ["NAME"]\n\ndef f():\n    print_table(COLUMN_HEADERS, [])\n    print_table(["AGE"], [])\n'
+    places, flagged = tool._header_places(ast.parse(bad))
+    assert places == [] and len(flagged) == 1
+    places, flagged = tool._header_places(ast.parse(ok))
+    assert len(places) == 2 and flagged == []

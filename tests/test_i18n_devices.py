@@ -15,6 +15,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from kunlun_common.messages import from_stored
 from node_agent.plugins.standin.state import SimChip, write_state
 from scripts import i18n as tool
@@ -102,11 +104,11 @@ def test_probe_of_a_node_with_a_missing_a_wrong_and_a_warning_chip(tmp_path: Pat
         f"  node-a/ascend:3：由 {cfg}:11 的声明构建\n"
         f"    -> Error（{zh_wrong}）\n"
         "第 5 步：结果\n"
-        "  DEVICE           TYPE    MODEL  STATUS  REASON\n"
-        "  node-a/ascend:0  ascend  910B   Ready\n"
-        "  node-a/ascend:1  ascend  910B   Ready   npu-smi 报告健康状态为 Warning\n"
-        f"  node-a/ascend:2  ascend  910B   Error   {zh_missing}\n"
-        f"  node-a/ascend:3  ascend  910B   Error   {zh_wrong}\n"
+        "  设备             类型    型号  状态   原因\n"  # titles as kunlun-cli's, aligned by display width
+        "  node-a/ascend:0  ascend  910B  Ready\n"
+        "  node-a/ascend:1  ascend  910B  Ready  npu-smi 报告健康状态为 Warning\n"
+        f"  node-a/ascend:2  ascend  910B  Error  {zh_missing}\n"
+        f"  node-a/ascend:3  ascend  910B  Error  {zh_wrong}\n"
         f"4 个设备中有 2 个不可用（配置文件 {cfg}）：\n"
         f"  node-a/ascend:2：Error：{zh_missing}\n"
         f"  node-a/ascend:3：Error：{zh_wrong}\n"
@@ -201,8 +203,8 @@ def test_probe_missing_tool_bad_file_and_help_in_chinese_and_english(tmp_path: P
             f"  node-a/ascend:{i}：由 {cfg}:10 的声明构建\n    -> Error（npu-smi 无法使用，见第 3 步）\n"
             for i in range(4)
         )
-        + "第 5 步：结果\n  DEVICE           TYPE    MODEL  STATUS  REASON\n"
-        + "".join(f"  node-a/ascend:{i}  ascend  910B   Error   {zh_tool[:97]}...\n" for i in range(4))
+        + "第 5 步：结果\n  设备             类型    型号  状态   原因\n"
+        + "".join(f"  node-a/ascend:{i}  ascend  910B  Error  {zh_tool[:97]}...\n" for i in range(4))
         + f"节点 node-a 上没有可用设备（配置文件 {cfg}）：\n  ascend：{zh_tool}\n"
     )
     en_tool = (
@@ -293,3 +295,37 @@ def test_a_planted_unmarked_device_reason_fails_the_scan(tmp_path: Path) -> None
     assert found[0].startswith("node_agent/vendors/base.py:") and "'crashed'" in found[0]
     assert "'reports a hot chip'" in found[1] and "'slow'" in found[2]
     assert found[3].startswith("node_agent/probe.py:") and "'step 6: done'" in found[3]
+
+
+def test_a_declaration_problem_of_a_loaded_config_travels_with_its_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config that loads with one device's row wrong: that device is in Error with the problem as its
+    reason, English as the agent always sent it, and its message (expected, found, hint each
+    translated) what a client shows in Chinese."""
+    from kunlun_common.i18n import localize
+    from node_agent.devices import DeviceManager
+    from node_agent.plugins.config import load_config
+
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text(
+        NODE_A.read_text()
+        .replace("- [1, 0, 2, 2]", "- [1, 0, 2]")
+        .replace("simulated: true", "simulated: false")
+    )
+    manager = DeviceManager(load_config(str(cfg)), {"PATH": str(tmp_path / "bin")})
+    manager.sample_blocking()
+    dev = manager.devices()[1]
+    where = f"{cfg}:18: devices[0].topology_distance[1] (node-a/ascend:1)"
+    assert dev.status_reason == (
+        f"{where}: expected a row of 4 distances for this device (the node declares 4 devices: a 4x4 matrix, "
+        "16 values), found 3 values [1, 0, 2]; list its distance to every device of the node in declaration "
+        "order, 0 for itself"
+    )
+    m = from_stored(dev.status_reason_message, dev.status_reason)
+    assert m is not None
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert localize(m) == (
+        f"{cfg}:18：devices[0].topology_distance[1] (node-a/ascend:1)：应为 此设备的一行 4 个距离值（节点声明了 4 个"
+        "设备：4x4 矩阵，共 16 个值），实际为 3 个值 [1, 0, 2]；按声明顺序列出它到本节点每个设备的距离，到自身为 0"
+    )

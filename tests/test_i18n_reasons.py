@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ from controlplane.scheduler.reasons import reason_message
 from controlplane.scheduler.reconcile import blocked_message, blocked_reason, bounded_reasons
 from controlplane.workloads.spec import spec_json
 from kunlun_common.api import agent_pb2, types_pb2, workload_pb2
-from kunlun_common.i18n import localize
-from kunlun_common.messages import msg, plain
+from kunlun_common.errors import ConfigError
+from kunlun_common.i18n import error_text, localize
+from kunlun_common.messages import msg, plain, to_stored
+from kunlun_common.settings import from_mapping
 from scripts import i18n as tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +46,34 @@ def test_old_and_replaced_reasons_stay_english(monkeypatch: pytest.MonkeyPatch) 
     # a message that no longer matches its text (another writer) is not used
     stale = workload_pb2.Instance(reason="something else", reason_message=old.reason_message or "{}")
     assert shown_reason(stale) == "something else"
+
+
+def test_a_nodes_reason_travels_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an agent says of its instance (a message beside the English text) reaches the instance
+    record, and the CLI shows it in the reader's language; the English texts are as before."""
+    from node_agent.executor.instance import Ended, describe_exit, joined
+
+    assert describe_exit(None).reason == "the supervisor vanished without recording how the engine ended"
+    ended = Ended(msg("instance.engine_exited", "engine exited with code {code}", code=3))
+    why = msg(
+        "instance.restart_in", "{why}; restart {restart} in {delay:.1f}s", why=ended.why, restart=2, delay=1.5
+    )
+    note = msg(
+        "prepare.sglang_fallback",
+        "SGLang is not installed on {node}: serving with kunlun-test-engine (a test engine)",
+        node="node-a",
+    )
+    reason = joined([why, note])
+    english = "engine exited with code 3; restart 2 in 1.5s; SGLang is not installed on node-a: serving with kunlun-test-engine (a test engine)"
+    assert str(reason) == english
+    inst = workload_pb2.Instance(id="i-1", phase="Scheduled", node="node-a")
+    st = agent_pb2.InstanceStatus(phase="CrashLoopBackOff", reason=english, reason_message=to_stored(reason))
+    overlay(inst, "node-a", st)
+    assert inst.reason == english and inst.reason_message == st.reason_message
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert shown_reason(inst) == (
+        "引擎以退出码 3 退出；1.5 秒后进行第 2 次重启; node-a 上未安装 SGLang：使用 kunlun-test-engine（测试引擎）提供服务"
+    )
 
 
 def test_blocked_reason_and_its_message_agree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,3 +182,23 @@ def test_layer5_reads_nobody_answered_in_chinese(monkeypatch: pytest.MonkeyPatch
     assert str(missing_names(w)) == f"(no answer: {error}) x2, kunlun-verify-a x1"
     monkeypatch.setenv("LANGUAGE", "zh_CN")
     assert localize(missing_names(w)) == f"（无副本应答：{error}） ×2, kunlun-verify-a ×1"
+
+
+@dataclass(frozen=True)
+class _Typed:
+    names: tuple[str, ...] = ()
+    limit: int | None = None
+
+
+def test_list_and_alternative_types_read_in_chinese(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A settings field of a list or an alternative type, given the wrong type: English as before,
+    and under zh_CN without English words in the type's description."""
+    with pytest.raises(ConfigError) as e:
+        from_mapping(_Typed, {"names": "a", "limit": "b"}, "x.yaml")
+    assert str(e.value) == (
+        "invalid settings:\n  x.yaml: names: expected a list of a string, found 'a'\n"
+        "  x.yaml: limit: expected an integer or null, found 'b'"
+    )
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    shown = error_text(e.value)
+    assert "字符串列表" in shown and "整数或null" in shown and "a list of" not in shown, shown

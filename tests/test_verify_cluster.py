@@ -280,6 +280,18 @@ def test_stored_reasons_in_chinese(cluster: LocalCluster, cli: Any) -> None:
     again = cli(*toobig, "-o", "json", lang="zh_CN.UTF-8")  # JSON keeps the English result
     assert json.loads(again.stdout)["result"] == "unchanged", again
     wait_for(lambda: placed(cluster, "tenant"), 60, "tenant placed")
+    # the reason a node reports (its agent serves with the test engine) travels with its message
+    wait_for(lambda: get(cluster, "tenant").instances[0].phase == "Running", 90, "tenant Running")
+    tenant = get(cluster, "tenant").instances[0]
+    assert (
+        tenant.reason == "SGLang is not installed on node-b: serving with kunlun-test-engine (a test engine)"
+    )
+    assert tenant.reason_message, tenant
+    zh_tenant = cli("workload", "describe", "tenant", lang="zh_CN.UTF-8")
+    assert "node-b 上未安装 SGLang：使用 kunlun-test-engine（测试引擎）提供服务\n" in zh_tenant.stdout, (
+        zh_tenant
+    )
+    assert tenant.reason not in zh_tenant.stdout
     wait_for(lambda: get(cluster, "toobig").instances[0].unplaced_reasons, 60, "toobig told why")
     big = get(cluster, "toobig").instances[0]
     assert big.reason_message and big.reason.startswith("node-a: "), big.reason

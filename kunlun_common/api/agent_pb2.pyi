@@ -144,6 +144,7 @@ class InstanceStatus(_message.Message):
     PREPARE_SECONDS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     WORKLOAD_ID_FIELD_NUMBER: _builtins.int
+    REASON_MESSAGE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     phase: _builtins.str
     """"Starting", "Running", "Failed", "Stopped", "CrashLoopBackOff"."""
@@ -159,6 +160,10 @@ class InstanceStatus(_message.Message):
     prepare_seconds: _builtins.float
     first_token_ms: _builtins.float
     workload_id: _builtins.str
+    reason_message: _builtins.str
+    """`reason` as a message (JSON, as PhaseEvent.reason_message), for clients to translate; empty
+    when the reason has none (an older agent, a library's text).
+    """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The exact launch plan: argv, the names of the env variables set, and the device nodes."""
@@ -186,10 +191,11 @@ class InstanceStatus(_message.Message):
         prepare_seconds: _builtins.float = ...,
         first_token_ms: _builtins.float = ...,
         workload_id: _builtins.str = ...,
+        reason_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "device_nodes", b"device_nodes", "endpoint", b"endpoint", "env_names", b"env_names", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "instance_id", b"instance_id", "oom_killed", b"oom_killed", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "restarts", b"restarts", "started_at_unix_ms", b"started_at_unix_ms", "workload_id", b"workload_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "device_nodes", b"device_nodes", "endpoint", b"endpoint", "env_names", b"env_names", "exit_code", b"exit_code", "first_token_ms", b"first_token_ms", "instance_id", b"instance_id", "oom_killed", b"oom_killed", "phase", b"phase", "pid", b"pid", "prepare_seconds", b"prepare_seconds", "ready_at_unix_ms", b"ready_at_unix_ms", "reason", b"reason", "reason_message", b"reason_message", "restarts", b"restarts", "started_at_unix_ms", b"started_at_unix_ms", "workload_id", b"workload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -42,6 +42,7 @@ from google.protobuf import json_format
 from kunlun_common.api import agent_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from kunlun_common.messages import Message, from_stored, msg, msg_list, of_error, plain, to_stored
 from kunlun_common.states import ExitCause, InstancePhase
 from node_agent.executor import devlock
 from node_agent.executor.prepare import NodeContext, PrepareError, prepare
@@ -68,32 +69,62 @@ STOP_RETRY_S = 2.0
 class Ended:
     """Why an engine run ended (or could not start)."""
 
-    reason: str
+    why: Message
+    """The reason as a message (its English text is `reason`)."""
     exit_code: int = 0
     oom_killed: bool = False
     ran_s: float = 0.0
+
+    @property
+    def reason(self) -> str:
+        return str(self.why)
+
+
+def joined(parts: list[Message]) -> Message:
+    """Reasons shown one after the other ("a; b"), each translated on its own."""
+    return (
+        parts[0] if len(parts) == 1 else msg_list("instance.reasons", "{parts}", parts, bullet="", sep="; ")
+    )
 
 
 def describe_exit(record: ExitRecord | None) -> Ended:
     """An exit record in words; OOM kills (from the cgroup counter) are "OOMKilled"."""
     if record is None:
-        return Ended("the supervisor vanished without recording how the engine ended")
+        return Ended(
+            msg(
+                "instance.supervisor_vanished",
+                "the supervisor vanished without recording how the engine ended",
+            )
+        )
     ran = max(0.0, record.finished_at - record.started_at)
     sig = record.signal
     code = record.exit_code if record.exit_code is not None else (128 + sig if sig else 0)
     if record.cause == ExitCause.OOM_KILLED or record.oom_killed:
-        return Ended("OOMKilled", 128 + signal.SIGKILL, True, ran)
+        return Ended(plain("OOMKilled"), 128 + signal.SIGKILL, True, ran)
     if record.cause == ExitCause.FAILED:
-        return Ended(f"engine could not start: {record.message}", code, False, ran)
+        return Ended(
+            msg(
+                "instance.engine_could_not_start", "engine could not start: {message}", message=record.message
+            ),
+            code,
+            False,
+            ran,
+        )
     if record.cause == ExitCause.SIGNALED and sig:
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = f"signal {sig}"
-        return Ended(f"engine was killed by {name}", code, False, ran)
+        return Ended(
+            msg("instance.engine_killed_by", "engine was killed by {name}", name=name), code, False, ran
+        )
     if record.cause == ExitCause.STOPPED:
-        return Ended(f"engine stopped: {record.message or 'by its supervisor'}", code, False, ran)
-    return Ended(f"engine exited with code {code}", code, False, ran)
+        if record.message:
+            why = msg("instance.engine_stopped", "engine stopped: {message}", message=record.message)
+        else:
+            why = msg("instance.engine_stopped_by_supervisor", "engine stopped: by its supervisor")
+        return Ended(why, code, False, ran)
+    return Ended(msg("instance.engine_exited", "engine exited with code {code}", code=code), code, False, ran)
 
 
 class InstanceWorker:
@@ -119,9 +150,11 @@ class InstanceWorker:
         self.handle = handle
         self.port = 0
         self.note = ""
+        self.note_message: Message | None = None
         self.attempt = 0
-        self.last_end = ""
+        self.last_end: Message | None = None
         self.stop_reason = ""
+        self.stop_message: Message | None = None
         self.status = agent_pb2.InstanceStatus(
             instance_id=self.iid, workload_id=assignment.workload_id, phase=InstancePhase.PENDING
         )
@@ -139,6 +172,7 @@ class InstanceWorker:
     def _restore(self, saved: dict[str, Any]) -> None:
         self.port = int(saved.get("port", 0))
         self.note = str(saved.get("note", ""))
+        self.note_message = from_stored(str(saved.get("note_message", "")), self.note)
         with contextlib.suppress(json_format.ParseError):
             json_format.ParseDict(saved.get("status", {}), self.status, ignore_unknown_fields=True)
         self.status.instance_id = self.iid
@@ -151,6 +185,7 @@ class InstanceWorker:
             "fingerprint": self.fingerprint,
             "port": self.port,
             "note": self.note,
+            "note_message": to_stored(self.note_message) if self.note_message else "",
             "status": json_format.MessageToDict(self.status, preserving_proto_field_name=True),
         }
         try:
@@ -159,6 +194,14 @@ class InstanceWorker:
             log.warning("could not save instance state", instance=self.iid, error=str(e))
 
     def _set(self, **fields: Any) -> None:
+        """Set status fields; a `reason` given as a message sets its English text and
+        `reason_message` (for the CLI to translate), one given as text clears `reason_message`."""
+        if "reason" in fields:
+            why = fields["reason"]
+            if isinstance(why, Message):
+                fields["reason"], fields["reason_message"] = str(why), to_stored(why)
+            else:
+                fields["reason_message"] = ""
         changed = False
         for name, value in fields.items():
             if name in ("command", "env_names", "device_nodes"):
@@ -181,8 +224,12 @@ class InstanceWorker:
             self._persist()
             self.on_change()
 
-    def _reason(self, *parts: str) -> str:
-        return "; ".join(p for p in (*parts, self.note) if p)
+    def _reason(self, *parts: Message | None) -> Message | str:
+        """`parts` and the instance's note one after the other; "" when there is none."""
+        shown = [p for p in parts if p is not None and str(p)]
+        if self.note:
+            shown.append(self.note_message or plain(self.note))
+        return joined(shown) if shown else ""
 
     @property
     def engine_live(self) -> bool:
@@ -194,10 +241,11 @@ class InstanceWorker:
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"instance-{self.iid}")
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str | Message) -> None:
         """Stop the engine and end the worker (phase Stopped with `reason`)."""
         if not self._stop.is_set():
-            self.stop_reason = reason
+            self.stop_reason = str(reason)
+            self.stop_message = reason if isinstance(reason, Message) else None
             self._stop.set()
 
     @property
@@ -233,7 +281,14 @@ class InstanceWorker:
                 raise
             except Exception as e:  # the worker must never die: treat it as a crash and retry
                 log.exception("instance worker error", instance=self.iid)
-                ended = Ended(f"agent error: {type(e).__name__}: {e}")
+                ended = Ended(
+                    msg(
+                        "instance.agent_error",
+                        "agent error: {kind}: {error}",
+                        kind=type(e).__name__,
+                        error=str(e),
+                    )
+                )
             if ended is None:
                 break
             await self._backoff(ended)
@@ -252,18 +307,27 @@ class InstanceWorker:
         return await self._watch()
 
     async def _start(self) -> Ended | None:
-        after = f"restart {self.status.restarts} after {self.last_end}" if self.last_end else ""
-        self._set(phase=InstancePhase.PENDING, reason=after or "preparing", pid=0)
+        after = (
+            msg(
+                "instance.restart_after",
+                "restart {restarts} after {last_end}",
+                restarts=self.status.restarts,
+                last_end=self.last_end,
+            )
+            if self.last_end is not None
+            else None
+        )
+        self._set(phase=InstancePhase.PENDING, reason=after or msg("instance.preparing", "preparing"), pid=0)
         t0 = time.monotonic()
         try:
-            prep = await prepare(self.ctx, self.assignment, self.port, lambda msg: self._set(reason=msg))
+            prep = await prepare(self.ctx, self.assignment, self.port, lambda m: self._set(reason=m))
         except PrepareError as e:
             if not e.permanent:
-                return Ended(str(e))
-            self._set(phase=InstancePhase.FAILED, reason=str(e))
+                return Ended(of_error(e))
+            self._set(phase=InstancePhase.FAILED, reason=of_error(e))
             await self._stop.wait()
             return None
-        self.port, self.note = prep.port, prep.note
+        self.port, self.note, self.note_message = prep.port, str(prep.note or ""), prep.note or None
         self._set(
             endpoint=endpoint(self.ctx.address, prep.port),
             command=list(prep.spec.argv),
@@ -287,10 +351,10 @@ class InstanceWorker:
         except TemporaryError as e:
             self.handle = await asyncio.to_thread(adopt, self.dir)
             if self.handle is None:
-                return Ended(str(e))
+                return Ended(of_error(e))
         except PermanentError as e:
             record = read_exit(self.dir)
-            return describe_exit(record) if record is not None else Ended(str(e))
+            return describe_exit(record) if record is not None else Ended(of_error(e))
         self._set(
             phase=InstancePhase.STARTING,
             reason=self._reason(after),
@@ -308,7 +372,12 @@ class InstanceWorker:
             who = await asyncio.to_thread(devlock.holder, lock_dir, held)
             self._set(
                 phase=InstancePhase.PENDING,
-                reason=f"waiting for device {held}: still held by {who or 'an engine'}",
+                reason=msg(
+                    "instance.waiting_for_device",
+                    "waiting for device {device}: still held by {holder}",
+                    device=held,
+                    holder=who or msg("instance.an_engine", "an engine"),
+                ),
             )
             if await self._sleep(DEVICE_POLL_S):
                 return True
@@ -328,9 +397,7 @@ class InstanceWorker:
             if not alive(self.handle):
                 ended = describe_exit(read_exit(self.dir))
                 if ready_since is not None:
-                    ended = Ended(
-                        ended.reason, ended.exit_code, ended.oom_killed, time.monotonic() - ready_since
-                    )
+                    ended = dataclasses.replace(ended, ran_s=time.monotonic() - ready_since)
                 self.handle = None
                 return ended
             error = await probe_health(host, self.port, s.health_path, s.probe_timeout_s)
@@ -349,12 +416,24 @@ class InstanceWorker:
                 if failures >= s.probe_failure_threshold:
                     await self._stop_engine()
                     return Ended(
-                        f"liveness probe failed {failures} times in a row ({error})",
+                        msg(
+                            "instance.liveness_failed",
+                            "liveness probe failed {failures} times in a row ({error})",
+                            failures=failures,
+                            error=error,
+                        ),
                         ran_s=time.monotonic() - ready_since,
                     )
             elif time.monotonic() - watching_since > s.startup_timeout_s:
                 await self._stop_engine()
-                return Ended(f"not healthy {s.startup_timeout_s:g}s after its start ({error})")
+                return Ended(
+                    msg(
+                        "instance.not_healthy",
+                        "not healthy {seconds:g}s after its start ({error})",
+                        seconds=s.startup_timeout_s,
+                        error=error,
+                    )
+                )
 
     async def _measure_first_token(self) -> None:
         ms = await first_token_ms(self.ctx.address, self.port, self.assignment.spec.name)
@@ -369,13 +448,19 @@ class InstanceWorker:
             self.attempt = 0
         delay = min(s.restart_backoff_max_s, s.restart_backoff_s * (2**self.attempt))
         self.attempt += 1
-        self.last_end = ended.reason
+        self.last_end = ended.why
         log.warning(
             "instance ended; restarting after back-off", instance=self.iid, why=ended.reason, delay=delay
         )
         self._set(
             phase=InstancePhase.CRASH_LOOP,
-            reason=f"{ended.reason}; restart {self.status.restarts + 1} in {delay:.1f}s",
+            reason=msg(
+                "instance.restart_in",
+                "{why}; restart {restart} in {delay:.1f}s",
+                why=ended.why,
+                restart=self.status.restarts + 1,
+                delay=delay,
+            ),
             pid=0,
             exit_code=ended.exit_code,
             oom_killed=ended.oom_killed,
@@ -405,9 +490,16 @@ class InstanceWorker:
 
     async def _shutdown(self) -> None:
         while (failure := await self._stop_engine()) is not None:
-            self._set(reason=f"stop failed ({failure}); retrying in {STOP_RETRY_S:g}s")
+            self._set(
+                reason=msg(
+                    "instance.stop_failed",
+                    "stop failed ({failure}); retrying in {seconds:g}s",
+                    failure=failure,
+                    seconds=STOP_RETRY_S,
+                )
+            )
             await asyncio.sleep(STOP_RETRY_S)
-        self._set(phase=InstancePhase.STOPPED, reason=self.stop_reason, pid=0)
+        self._set(phase=InstancePhase.STOPPED, reason=self.stop_message or self.stop_reason, pid=0)
 
 
 def read_saved(instance_dir: Path) -> dict[str, Any] | None:

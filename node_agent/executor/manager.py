@@ -39,6 +39,7 @@ from typing import Any
 import structlog
 
 from kunlun_common.api import agent_pb2, workload_pb2
+from kunlun_common.messages import msg
 from kunlun_common.names import parse_device_name
 from kunlun_common.states import SERVING, InstancePhase
 from node_agent.executor.instance import InstanceWorker, read_saved
@@ -247,7 +248,11 @@ class ExecutorManager:
             a = self.desired.get(iid)
             if a is None or fingerprint(a) != w.fingerprint:
                 del self.workers[iid]
-                w.request_stop("not assigned to this node" if a is None else "assignment changed")
+                w.request_stop(
+                    msg("instance.not_assigned", "not assigned to this node")
+                    if a is None
+                    else msg("instance.assignment_changed", "assignment changed")
+                )
                 self._retire(iid, self._await_worker(w), remove_dir=a is None)
             elif w.stopping:  # stopped because no replica was reachable: start again once it is done
                 if w.done:
@@ -326,9 +331,15 @@ class ExecutorManager:
         engines = sum(1 for w in strict if w.engine_live)
         engines += sum(1 for o in self.orphans.values() if o.handle is not None and alive(o.handle))
         self.suspended, self.received = True, False
-        why = f"no replica reachable for {since:.0f}s (disconnect_stop_s={limit:g})"
+        why_message = msg(
+            "instance.no_replica_reachable",
+            "no replica reachable for {seconds:.0f}s (disconnect_stop_s={limit:g})",
+            seconds=since,
+            limit=limit,
+        )
+        why = str(why_message)
         for w in strict:
-            w.request_stop(f"stopped: {why}")
+            w.request_stop(msg("instance.stopped_because", "stopped: {why}", why=why_message))
         for iid, orphan in list(self.orphans.items()):
             if iid not in self.retiring:
                 del self.orphans[iid]

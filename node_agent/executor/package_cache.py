@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from kunlun_common.messages import Message, msg
 from kunlun_common.modelpkg import TrustedKeys
 from node_agent.executor import packages
 from node_agent.executor.package_pull import PackagePuller, PullFailed, PullRefused
@@ -72,7 +73,7 @@ class PackageCache:
         cluster = TrustedKeys.from_pems(pems)
         return self.require_signed or required, TrustedKeys({**local.keys, **cluster.keys})
 
-    async def resolve(self, ref: str, progress: Callable[[str], None]) -> packages.Unpacked:
+    async def resolve(self, ref: str, progress: Callable[[Message], None]) -> packages.Unpacked:
         """The verified, unpacked package `ref`, pulled first when the node lacks it.
 
         Raises PackageRefused (permanent), PullFailed or CacheFull (retry later)."""
@@ -89,7 +90,7 @@ class PackageCache:
                         "(kunlun-cli model inspect shows its digest)"
                     )
                 await self._pull(ref, hexd, progress)
-            progress(f"verifying package {ref.split('@')[0]}")
+            progress(msg("package.verifying", "verifying package {name}", name=ref.split("@")[0]))
             out = await asyncio.to_thread(packages.unpack_verified, self.root, ref, trusted, required)
             await asyncio.to_thread(_touch, self.root / "unpacked" / hexd / packages.MARKER)
             return out
@@ -105,7 +106,7 @@ class PackageCache:
             return False
         return True
 
-    async def _pull(self, ref: str, hexd: str, progress: Callable[[str], None]) -> None:
+    async def _pull(self, ref: str, hexd: str, progress: Callable[[Message], None]) -> None:
         assert self.puller is not None
         name = ref.split("@")[0]
         shown = [-1]
@@ -115,7 +116,15 @@ class PackageCache:
             if pct != shown[0]:
                 shown[0] = pct
                 progress(
-                    f"pulling package {name}: {pct}% ({done / MIB:.1f} of {total / MIB:.1f} MiB, from {replica})"
+                    msg(
+                        "package.pulling_progress",
+                        "pulling package {name}: {pct}% ({done:.1f} of {total:.1f} MiB, from {replica})",
+                        name=name,
+                        pct=pct,
+                        done=done / MIB,
+                        total=total / MIB,
+                        replica=replica,
+                    )
                 )
 
         def reserve(total: int) -> None:
@@ -123,7 +132,7 @@ class PackageCache:
 
         dest = self.root / "pulled" / f"{hexd}.kunlunpkg"
         await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
-        progress(f"pulling package {name}")
+        progress(msg("package.pulling", "pulling package {name}", name=name))
         try:
             await self.puller.pull(ref, self.root / "pulling", dest, report, reserve)
         except PullRefused as e:

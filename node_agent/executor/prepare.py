@@ -42,6 +42,7 @@ from google.protobuf import json_format
 
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.errors import ConfigError, KunlunError
+from kunlun_common.messages import Message, msg, of_error
 from kunlun_common.names import parse_device_name
 from node_agent.executor import packages
 from node_agent.executor.cgroups import CgroupLimits
@@ -71,7 +72,7 @@ _QUANTIZATIONS: dict[str, str | None] = {
 class PrepareError(KunlunError):
     """The instance cannot be started now; `permanent` when retrying the same assignment cannot help."""
 
-    def __init__(self, message: str, permanent: bool) -> None:
+    def __init__(self, message: str | Message, permanent: bool) -> None:
         super().__init__(message)
         self.permanent = permanent
 
@@ -111,8 +112,8 @@ class Prepared:
     plan: LaunchPlan
     env_names: tuple[str, ...]
     """Names of the engine's whole environment (allowlisted + spec + plugin), never values."""
-    note: str
-    """Said in the status reason while it runs (e.g. the test-engine fallback); empty otherwise."""
+    note: Message | None
+    """Said in the status reason while it runs (e.g. the test-engine fallback); None otherwise."""
     port: int
 
 
@@ -219,7 +220,7 @@ def _engine_request(
 
 
 async def package_for(
-    ctx: NodeContext, a: agent_pb2.Assignment, progress: Callable[[str], None]
+    ctx: NodeContext, a: agent_pb2.Assignment, progress: Callable[[Message], None]
 ) -> packages.Unpacked:
     """The verified, unpacked model package of the spec (see packages.py, package_cache.py); refused:
     Failed for good; not pullable now or no room in the cache: retried after a back-off."""
@@ -241,7 +242,7 @@ async def prepare(
     ctx: NodeContext,
     a: agent_pb2.Assignment,
     preferred_port: int,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[Message], None] = lambda _: None,
 ) -> Prepared:
     """Allocate the devices and build the supervisor spec of one start (raises PrepareError);
     `progress` is told what takes time (a package pull) in words."""
@@ -251,17 +252,46 @@ async def prepare(
     plugin = ctx.plugin(device_type)
     if plugin is None:
         raise PrepareError(
-            f"no device plugin serves {device_type} devices on {ctx.node} now", permanent=False
+            msg(
+                "prepare.no_plugin",
+                "no device plugin serves {device_type} devices on {node} now",
+                device_type=device_type,
+                node=ctx.node,
+            ),
+            permanent=False,
         )
     try:
         async with asyncio.timeout(ALLOCATE_TIMEOUT_S):
             alloc = await plugin.allocate(list(a.devices))
     except TimeoutError:
-        raise PrepareError(f"device plugin {plugin.name} did not answer Allocate in time", False) from None
+        raise PrepareError(
+            msg(
+                "prepare.allocate_timeout",
+                "device plugin {plugin} did not answer Allocate in time",
+                plugin=plugin.name,
+            ),
+            False,
+        ) from None
     except KunlunError as e:
-        raise PrepareError(f"device plugin {plugin.name}: {e}", permanent=True) from None
+        raise PrepareError(
+            msg(
+                "prepare.plugin_refused",
+                "device plugin {plugin}: {error}",
+                plugin=plugin.name,
+                error=of_error(e),
+            ),
+            permanent=True,
+        ) from None
     except Exception as e:  # an out-of-process plugin may fail in any way; it may come back
-        raise PrepareError(f"device plugin {plugin.name} failed to allocate: {e}", permanent=False) from None
+        raise PrepareError(
+            msg(
+                "prepare.allocate_failed",
+                "device plugin {plugin} failed to allocate: {error}",
+                plugin=plugin.name,
+                error=str(e),
+            ),
+            permanent=False,
+        ) from None
     port = await asyncio.to_thread(pick_port, ctx.address, preferred_port)
     req = _engine_request(a, device_type, devs, alloc, ctx.address, port)
     if pkg is not None:
@@ -271,25 +301,38 @@ async def prepare(
             req, LaunchSettings(python=s.engine_python, engine_version="sglang", cache_root=ctx.cache_root)
         )
     except ConfigError as e:
-        raise PrepareError(f"workload {a.spec.name}: {e}", permanent=True) from None
-    argv, env, note = plan.argv, dict(plan.env), ""
+        raise PrepareError(
+            msg("prepare.bad_workload", "workload {name}: {error}", name=a.spec.name, error=of_error(e)),
+            permanent=True,
+        ) from None
+    argv, env = plan.argv, dict(plan.env)
+    note: Message | None = None
     if req.engine == "test":  # the agent's own interpreter: the engine python need not have this package
         argv = (sys.executable, *plan.argv[1:])
         env["PYTHONPATH"] = str(_REPO_ROOT)
-        note = "serving with kunlun-test-engine (the built-in test engine)"
+        note = msg("prepare.test_engine", "serving with kunlun-test-engine (the built-in test engine)")
     if req.engine == "sglang":
         problem = await asyncio.to_thread(sglang_problem, s.engine_python)
         if problem is not None and not s.test_engine_fallback:
             raise PrepareError(
-                f"SGLang is not installed on {ctx.node} ({problem}): install SGLang into the engine "
-                "environment (or point the agent's --engine-python at one that has it), or start the "
-                "agent with --test-engine-fallback to serve with kunlun-test-engine",
+                msg(
+                    "prepare.no_sglang",
+                    "SGLang is not installed on {node} ({problem}): install SGLang into the engine "
+                    "environment (or point the agent's --engine-python at one that has it), or start the "
+                    "agent with --test-engine-fallback to serve with kunlun-test-engine",
+                    node=ctx.node,
+                    problem=problem,
+                ),
                 permanent=True,
             )
         if problem is not None:
             argv = (sys.executable, "-m", TEST_ENGINE_MODULE, *plan.argv[3:])
             env["PYTHONPATH"] = str(_REPO_ROOT)
-            note = f"SGLang is not installed on {ctx.node}: serving with kunlun-test-engine (a test engine)"
+            note = msg(
+                "prepare.sglang_fallback",
+                "SGLang is not installed on {node}: serving with kunlun-test-engine (a test engine)",
+                node=ctx.node,
+            )
     if plan.cache_dir is not None:
         await asyncio.to_thread(plan.cache_dir.mkdir, parents=True, exist_ok=True)
         if pkg is not None:
