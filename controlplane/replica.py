@@ -61,10 +61,11 @@ from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.profiling import Profiler, ProfilerCollector
 from kunlun_common.reload import LiveTls
 from kunlun_common.retry import backoff_delay
+from kunlun_common.version import version
 from kunlun_common.wire_limits import replica_server_options
 
 log = structlog.get_logger("replica")
-VERSION = "0.1.0"
+VERSION = version()
 DRAIN_STREAMS_WAIT_S = 5.0
 """A drain waits at most this long for the streams it ended to close before answering."""
 

@@ -29,9 +29,10 @@ from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.revocation import RevokedSerials
 from kunlun_common.settings import from_mapping, load_yaml_mapping
 from kunlun_common.tls import TlsMaterial
+from kunlun_common.version import version
 
 log = structlog.get_logger("gateway")
-VERSION = "0.1.0"
+VERSION = version()
 
 
 class Gateway:
@@ -198,6 +199,8 @@ class Gateway:
                 for i, a in enumerate(addrs)
             ]
             self.registry.apply_endpoints(eps)
+        if self.feed is not None and s.start_sync_s > 0:
+            await self._first_feed(s.start_sync_s)
         if s.health_check_interval_s > 0:
             checker = HealthChecker(self.registry, s)
             self._tasks.append(asyncio.create_task(checker.run(), name="gateway-health"))
@@ -252,6 +255,22 @@ class Gateway:
                 "require_api_key (deploy/examples/gateway.example.yaml)",
                 listen=s.listen,
             )
+
+    async def _first_feed(self, within_s: float) -> None:
+        """Wait (at most `within_s`) for the first endpoint snapshot and, with keys required, the
+        first key list: listening before would answer 503 to clients a peer gateway could serve."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within_s
+        while loop.time() < end:
+            if self.registry.synced and (self.keys.loaded or not self.settings.require_api_key):
+                return
+            await asyncio.sleep(0.02)
+        log.warning(
+            "listening without a snapshot from the control plane (503 until it comes)",
+            waited_s=within_s,
+            endpoints_synced=self.registry.synced,
+            keys_loaded=self.keys.loaded,
+        )
 
     async def stop(self) -> None:
         """Stop accepting; let requests in flight finish (at most drain_s); close everything."""

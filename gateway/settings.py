@@ -219,6 +219,10 @@ class GatewaySettings:
     """Mirror only this workload's instances into the sglang-router (empty: every workload)."""
     drain_s: float = 10.0
     """On SIGTERM: stop accepting, wait this long at most for requests in flight."""
+    start_sync_s: float = 10.0
+    """At start: listen only once the control plane sent the first endpoint snapshot (and the API
+    keys, when required), waiting at most this long; a restarted gateway (an upgrade) then never
+    answers 503 while its peers serve. After it, listen anyway (503 until fed). 0: listen at once."""
     metrics_listen: str = ""
     """host:port of the Prometheus exporter (HTTPS with the gateway's certificate, client certificates
     of role `monitoring`; needs cert_dir); port 0 picks a free one; empty: no exporter."""

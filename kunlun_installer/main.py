@@ -3,7 +3,7 @@
     kunlun-installer install --role control-plane|worker|gateway|etcd --config FILE --certs DIR --bundle DIR
     kunlun-installer verify [--repair] [--bundle DIR]
     kunlun-installer repair [--bundle DIR]          (the same as verify --repair)
-    kunlun-installer upgrade --bundle NEW [--restart]
+    kunlun-installer upgrade --bundle NEW [--stage | --restart]
     kunlun-installer rollback [--restart]
     kunlun-installer uninstall [--purge]
     kunlun-installer run [--role R ...]             start the installed units' command lines (no systemd)
@@ -53,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("repair", parents=[common], help="restore missing or changed files")
     u = sub.add_parser("upgrade", parents=[common], help="install a newer bundle beside and switch to it")
     u.add_argument("--restart", action="store_true", help="restart this host's services afterwards")
+    u.add_argument("--stage", action="store_true", help="only build and check the new release; switch later")
     r = sub.add_parser("rollback", parents=[common], help="switch back to the previous release")
     r.add_argument("--restart", action="store_true", help="restart this host's services afterwards")
     x = sub.add_parser(
@@ -105,10 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             if a.cmd == "upgrade":
                 bundle = _bundle(a, True)
                 assert bundle is not None
-                releases.upgrade(paths, bundle)
+                releases.upgrade(paths, bundle, a.stage)
             else:
                 releases.rollback(paths)
-            if a.restart:
+            if a.restart and not (a.cmd == "upgrade" and a.stage):
                 print(restart_services(paths))
         elif a.cmd == "uninstall":
             host.uninstall(paths, a.purge)

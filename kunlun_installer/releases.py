@@ -21,8 +21,12 @@ from kunlun_installer.host import (
 from kunlun_installer.units import ROLES
 
 
-def upgrade(paths: Paths, bundle: Bundle) -> str:
-    """Install the bundle's release beside the current one and switch to it; returns the old version."""
+def upgrade(paths: Paths, bundle: Bundle, stage: bool = False) -> str:
+    """Install the bundle's release beside the current one and switch to it; returns the old version.
+
+    With `stage`, only build and check the release (the slow part: its virtual environment) and
+    leave `current` as it is: staged on every host first, the rolling part (switch, restart) then
+    takes each host seconds. A later `upgrade` finds the release present and only switches."""
     state = load_state(paths)
     old = str(state.get("current") or "")
     if not old:
@@ -42,8 +46,12 @@ def upgrade(paths: Paths, bundle: Bundle) -> str:
         _, config_name = ROLES[role]
         if role != "etcd":
             check_config(rel, role, paths.etc / config_name)
-    render_units(paths, state, rel, sorted(roles), str(state.get("user", "kunlun")))
     record_release(state, rel)
+    if stage:
+        save_state(paths, state)
+        say("upgrade", f"{bundle.version} staged beside {old}; `upgrade` without --stage switches to it")
+        return old
+    render_units(paths, state, rel, sorted(roles), str(state.get("user", "kunlun")))
     state["previous"], state["current"] = old, bundle.version
     switch_current(paths, bundle.version)
     save_state(paths, state)

@@ -3,8 +3,11 @@
 Each service is started with exactly its unit's ExecStart (EnvironmentFile, ${VAR} expansion,
 User, WorkingDirectory), restarted after RestartSec when it exits (Restart=always), stopped with
 SIGTERM then SIGKILL after TimeoutStopSec. KillMode=process is honoured: only the main process is
-signalled, so an agent restart leaves its engine supervisors running. SIGHUP restarts the services
-one at a time (what `upgrade` asks for); SIGTERM/SIGINT stops them all and exits.
+signalled, so an agent restart leaves its engine supervisors running. SIGHUP (what `upgrade
+--restart` and `rollback --restart` send) re-reads the units and restarts, one at a time, only the
+services whose unit text or resolved executable changed: the release's services after `current` was
+switched, never etcd (the host's own binary), as `systemctl daemon-reload` then `try-restart` of the
+changed units would. SIGTERM/SIGINT stops them all and exits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kunlun_installer.errors import InstallError
 from kunlun_installer.host import Paths, load_state, say
 from kunlun_installer.units import ROLES, ServiceSpec, command_line, parse_unit
 
@@ -27,6 +31,17 @@ class Running:
     spec: ServiceSpec
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    identity: tuple[str, str] = ("", "")
+    """What the running process was started from: the unit's text and its executable's real path
+    (through the `current` link)."""
+
+
+def _identity(path: Path, spec: ServiceSpec) -> tuple[str, str]:
+    try:
+        text = path.read_text()
+    except OSError:
+        text = ""
+    return text, os.path.realpath(spec.exec_start[0]) if spec.exec_start else ""
 
 
 def _start(paths: Paths, r: Running) -> None:
@@ -84,7 +99,8 @@ def run(paths: Paths, roles: list[str] | None = None) -> int:
     installed = state.get("roles") or {}
     assert isinstance(installed, dict)
     chosen = roles or sorted(installed, key=lambda x: list(ROLES).index(x))
-    services = [Running(parse_unit(paths.unit_dir / ROLES[role][0])) for role in chosen]
+    unit_paths = [paths.unit_dir / ROLES[role][0] for role in chosen]
+    services = [Running(parse_unit(u)) for u in unit_paths]
     pid_file = paths.data / "run" / "runner.pid"
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(f"{os.getpid()}\n")
@@ -93,17 +109,15 @@ def run(paths: Paths, roles: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: restart_all.set())
-    for r in services:
+    for u, r in zip(unit_paths, services, strict=True):
+        r.identity = _identity(u, r.spec)
         _start(paths, r)
     next_start: dict[str, float] = {}
     try:
         while not stop.is_set():
             if restart_all.is_set():
                 restart_all.clear()
-                for r in services:  # one at a time: the others keep serving meanwhile
-                    _stop(r)
-                    _start(paths, r)
-                    stop.wait(r.spec.restart_s)
+                _restart_changed(paths, unit_paths, services, stop)
             for r in services:
                 if r.proc is None or r.proc.poll() is not None:
                     due = next_start.setdefault(r.spec.unit, time.monotonic() + r.spec.restart_s)
@@ -118,6 +132,26 @@ def run(paths: Paths, roles: list[str] | None = None) -> int:
             _stop(r)
         pid_file.unlink(missing_ok=True)
     return 0
+
+
+def _restart_changed(
+    paths: Paths, unit_paths: list[Path], services: list[Running], stop: threading.Event
+) -> None:
+    """One at a time (the others keep serving meanwhile), only what changed since it started."""
+    for u, r in zip(unit_paths, services, strict=True):
+        try:
+            spec = parse_unit(u)
+        except InstallError as e:  # a broken unit: keep what runs, say how to fix it
+            say("run", f"{r.spec.unit}: {e}; left running")
+            continue
+        ident = _identity(u, spec)
+        if ident == r.identity and r.proc is not None and r.proc.poll() is None:
+            say("run", f"{r.spec.unit} unchanged ({ident[1]}); left running")
+            continue
+        _stop(r)
+        r.spec, r.identity = spec, ident
+        _start(paths, r)
+        stop.wait(r.spec.restart_s)
 
 
 def signal_runner(paths: Paths) -> bool:

@@ -19,6 +19,7 @@ from kunlun_common.metrics_http import MetricsServer
 from kunlun_common.pki import paths_for
 from kunlun_common.profiling import Profiler, ProfilerCollector, ProfilingMode
 from kunlun_common.reload import LiveTls
+from kunlun_common.version import version
 from node_agent.connection import ReplicaLink, registration
 from node_agent.devices import DeviceManager
 from node_agent.executor import fence, ledger
@@ -49,7 +50,7 @@ class AgentLoopEnded(RuntimeError):
     a bug; restarting the agent can help (its engines are adopted, or fenced, as on any restart)."""
 
 
-VERSION = "0.1.0"
+VERSION = version()
 DEFAULT_NODE_LEASE_S = 5.0  # the replicas' default node_lease_ttl_s
 DEFAULT_NODE_GRACE_S = 8.0  # the scheduler's default node_not_ready_grace_seconds
 FENCE_RENEW_POLL_S = 0.2

@@ -24,10 +24,14 @@ import pytest
 from devcluster.procs import free_port, wait_for
 from kunlun_common.pki import ClusterCerts, init_cluster_certs, write_crl
 from kunlun_installer import host
-from kunlun_installer.bundle import Bundle, write_manifest
+from kunlun_installer.bundle import Bundle, project_version, write_manifest
 from kunlun_installer.units import ROLES, command_line, parse_unit
 
 ROOT = Path(__file__).resolve().parent.parent
+V = project_version(ROOT)
+"""This tree's version (the bundle's)."""
+V1 = V + ".post1"
+"""The version the upgrade test builds beside it."""
 FAST_TMP = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
@@ -127,7 +131,7 @@ def test_bundle_manifest_lists_every_file_and_catches_a_changed_byte(
 
 def test_install_lays_out_release_config_certs_and_units(installed: host.Paths) -> None:
     paths = installed
-    assert os.readlink(paths.prefix / "current") == "releases/0.1.0"
+    assert os.readlink(paths.prefix / "current") == f"releases/{V}"
     assert (paths.prefix / "current" / "venv" / "bin" / "kunlun-platform").exists()
     assert (paths.etc / "replica.yaml").stat().st_mode & 0o777 == 0o640
     keys = list((paths.etc / "certs").rglob("*.key"))
@@ -162,7 +166,7 @@ def test_install_twice_changes_nothing(installed: host.Paths, bundle_dir: Path, 
 
 def test_verify_names_damage_and_repair_restores_it(installed: host.Paths) -> None:
     paths = installed
-    exe = paths.prefix / "releases/0.1.0/venv/bin/kunlun-platform"
+    exe = paths.prefix / f"releases/{V}/venv/bin/kunlun-platform"
     exe.unlink()
     cfg = paths.etc / "replica.yaml"
     data = bytearray(cfg.read_bytes())
@@ -351,8 +355,8 @@ def test_upgrade_switches_release_and_rollback_returns(
     )
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(*skip))
     pyproject = repo / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('version = "0.1.0"', 'version = "0.1.1"', 1))
-    new = tmp_path / "kunlun-0.1.1"
+    pyproject.write_text(pyproject.read_text().replace(f'version = "{V}"', f'version = "{V1}"', 1))
+    new = tmp_path / f"kunlun-{V1}"
     shutil.copytree(bundle_dir, new)
     for old in (new / "wheelhouse").glob("kunlun_platform-*.whl"):
         old.unlink()
@@ -361,23 +365,30 @@ def test_upgrade_switches_release_and_rollback_returns(
          str(repo)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    write_manifest(new, "0.1.1")
+    write_manifest(new, V1)
+    # staged first: the release built and checked beside the current one, nothing switched
+    r = installer("upgrade", "--stage", bundle=new, paths=installed)
+    assert r.returncode == 0 and f"{V1} staged" in r.stdout, r.stdout + r.stderr
+    assert os.readlink(installed.prefix / "current") == f"releases/{V}"
+    assert (installed.prefix / f"releases/{V1}/.complete").exists()
+    assert json.loads(installed.state_file.read_text())["current"] == V
     r = installer("upgrade", bundle=new, paths=installed)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert os.readlink(installed.prefix / "current") == "releases/0.1.1"
+    assert "already present" in r.stdout, "the staged release is switched to, not built again"
+    assert os.readlink(installed.prefix / "current") == f"releases/{V1}"
     state = json.loads(installed.state_file.read_text())
-    assert (state["current"], state["previous"]) == ("0.1.1", "0.1.0")
+    assert (state["current"], state["previous"]) == (V1, V)
     version = subprocess.run(
         [str(installed.prefix / "current/venv/bin/python"), "-c",
          "import importlib.metadata as m; print(m.version('kunlun-platform'))"],
-        capture_output=True, text=True, cwd=tmp_path,  # not the checkout: its egg-info says 0.1.0
+        capture_output=True, text=True, cwd=tmp_path,  # not the checkout: its egg-info may say another version
     )  # fmt: skip
-    assert version.stdout.strip() == "0.1.1", version.stderr
+    assert version.stdout.strip() == V1, version.stderr
     assert installer("verify", paths=installed).returncode == 0
     r = installer("rollback", paths=installed)
     assert r.returncode == 0, r.stderr
-    assert os.readlink(installed.prefix / "current") == "releases/0.1.0"
-    assert (installed.prefix / "releases/0.1.1/venv").exists(), "the newer release stays for a roll-forward"
+    assert os.readlink(installed.prefix / "current") == f"releases/{V}"
+    assert (installed.prefix / f"releases/{V1}/venv").exists(), "the newer release stays for a roll-forward"
     assert installer("verify", paths=installed).returncode == 0
 
 

@@ -30,6 +30,7 @@ from kunlun_common.api import plugin_pb2, plugin_pb2_grpc
 from kunlun_common.errors import ConfigError
 from kunlun_common.logs import setup_logging
 from kunlun_common.retry import backoff_delay
+from kunlun_common.version import version
 from node_agent.plugins.config import load_config
 from node_agent.plugins.contract import PluginError
 from node_agent.plugins.remote import AGENT_SOCKET, remove_stale_socket, unix_target
@@ -38,7 +39,7 @@ from node_agent.simulation import tool_env
 from node_agent.vendors import ADAPTERS
 
 log = structlog.get_logger("plugin-host")
-VERSION = "0.1.0"
+VERSION = version()
 Ctx: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
