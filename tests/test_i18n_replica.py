@@ -158,6 +158,15 @@ def test_validation_errors_from_the_replica_in_chinese(replica: LocalCluster) ->
         "  name: 'Bad_Name' is not a valid name; use lowercase letters, digits, '-' and '.', at most 63\n"
         "  replicas: expected 0..1000, found 5000"
     )
+    zh = _cli(admin, "zh_CN.UTF-8", "device", "describe", "nosuch")
+    assert zh.stderr.strip() == (
+        f"kunlun-cli: {ep}: 参数无效: name：无效的设备名称 'nosuch'：应为 <node>/<type>:<index>，例如 node-a/ascend:0"
+    ), zh.stderr
+    en = _cli(admin, "C.UTF-8", "device", "describe", "nosuch")
+    assert en.stderr.strip() == (
+        f"kunlun-cli: {ep}: invalid argument: name: invalid device name 'nosuch': expected "
+        "<node>/<type>:<index>, e.g. node-a/ascend:0"
+    ), en.stderr
     cfg = replica.base / "scheduler_config.yaml"
     cfg.write_text("policy: spreed\nmax_placements_per_commit: 0\n")
     zh = _cli(admin, "zh_CN.UTF-8", "scheduler", "config", "set", "-f", str(cfg))

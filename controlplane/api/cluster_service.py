@@ -70,7 +70,13 @@ class ClusterService(Servicer, cluster_pb2_grpc.ClusterServiceServicer):
         try:
             parse_device_name(request.name)
         except ValueError as e:
-            raise InvalidInput(msg("cluster.name", "name: {e}", e=e)) from e
+            raise InvalidInput(
+                msg(
+                    "cluster.bad_device_name",
+                    "name: invalid device name {name!r}: expected <node>/<type>:<index>, e.g. node-a/ascend:0",
+                    name=request.name,
+                )
+            ) from e
         for n in await load_nodes(self.store, self.sessions):
             for d in n.devices:
                 if d.name == request.name:
