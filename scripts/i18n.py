@@ -155,6 +155,7 @@ REASON_MODULES = (
     "controlplane/feeds.py",
     "node_agent/executor/instance.py",  # the reasons a node reports for its instances (reason_message)
     "node_agent/executor/manager.py",
+    "node_agent/executor/prepare.py",
 )
 """Where the replica writes the reasons it stores on instances and rollouts (and their history
 events): each is a message (`reason_message` beside the English `reason`), which kunlun-cli shows
@@ -168,6 +169,7 @@ REASON_ARGS = {
     "_event": 3,
     "request_stop": 0,
     "Ended": 0,
+    "PrepareError": 0,
 }
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""

@@ -128,7 +128,9 @@ def pick_port(address: str, preferred: int = 0) -> int:
             except OSError:
                 continue
             return int(s.getsockname()[1])
-    raise PrepareError(f"no free TCP port on {address}", permanent=False)
+    raise PrepareError(
+        msg("prepare.no_free_port", "no free TCP port on {address}", address=address), permanent=False
+    )
 
 
 _sglang_cache: dict[str, tuple[float, str | None]] = {}
@@ -158,30 +160,53 @@ def _limit(env: Mapping[str, str], name: str, default: float | None, kind: type)
     try:
         value = float(raw) if kind is float else int(raw)
     except ValueError:
-        raise PrepareError(f"env {name}={raw!r} is not a number", permanent=True) from None
+        raise PrepareError(
+            msg("prepare.env_not_a_number", "env {name}={raw!r} is not a number", name=name, raw=raw),
+            permanent=True,
+        ) from None
     if value <= 0:
-        raise PrepareError(f"env {name}={raw!r} must be positive", permanent=True)
+        raise PrepareError(
+            msg("prepare.env_not_positive", "env {name}={raw!r} must be positive", name=name, raw=raw),
+            permanent=True,
+        )
     return value
 
 
 def _devices(ctx: NodeContext, names: list[str]) -> tuple[str, list[types_pb2.Device]]:
     if not names:
-        raise PrepareError("the assignment names no device", permanent=True)
+        raise PrepareError(msg("prepare.no_device", "the assignment names no device"), permanent=True)
     known = {d.name: d for d in ctx.devices()}
     types: set[str] = set()
     out: list[types_pb2.Device] = []
     for name in names:
         try:
             parsed = parse_device_name(name)
-        except ValueError as e:
-            raise PrepareError(str(e), permanent=True) from None
+        except ValueError:
+            raise PrepareError(
+                msg(
+                    "prepare.bad_device_name",
+                    "invalid device name {name!r}: expected <node>/<type>:<index>, e.g. node-a/ascend:0",
+                    name=name,
+                ),
+                permanent=True,
+            ) from None
         if parsed.node != ctx.node or name not in known:
-            raise PrepareError(f"{name} is not a device of node {ctx.node}", permanent=True)
+            raise PrepareError(
+                msg(
+                    "prepare.not_this_node", "{name} is not a device of node {node}", name=name, node=ctx.node
+                ),
+                permanent=True,
+            )
         types.add(parsed.device_type)
         out.append(known[name])
     if len(types) > 1:
         raise PrepareError(
-            f"one instance cannot mix device types ({', '.join(sorted(types))})", permanent=True
+            msg(
+                "prepare.mixed_types",
+                "one instance cannot mix device types ({types})",
+                types=", ".join(sorted(types)),
+            ),
+            permanent=True,
         )
     return types.pop(), out
 
@@ -225,7 +250,7 @@ async def package_for(
     """The verified, unpacked model package of the spec (see packages.py, package_cache.py); refused:
     Failed for good; not pullable now or no room in the cache: retried after a back-off."""
     s = ctx.settings
-    what = f"package {a.spec.package[:40]}…"
+    what = a.spec.package[:40]
     try:
         if ctx.package_cache is not None:
             return await ctx.package_cache.resolve(a.spec.package, progress)
@@ -233,9 +258,11 @@ async def package_for(
             ctx.instances_dir, a.spec.package, s.trusted_keys_dir, s.require_signed_packages
         )
     except (PullFailed, CacheFull) as e:
-        raise PrepareError(f"{what}: {e}", permanent=False) from None
+        why = msg("prepare.package_problem", "package {package}…: {error}", package=what, error=of_error(e))
+        raise PrepareError(why, permanent=False) from None
     except (packages.PackageRefused, KunlunError) as e:
-        raise PrepareError(f"{what}: {e}", permanent=True) from None
+        why = msg("prepare.package_problem", "package {package}…: {error}", package=what, error=of_error(e))
+        raise PrepareError(why, permanent=True) from None
 
 
 async def prepare(
