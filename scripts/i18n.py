@@ -156,6 +156,9 @@ REASON_MODULES = (
     "node_agent/executor/instance.py",  # the reasons a node reports for its instances (reason_message)
     "node_agent/executor/manager.py",
     "node_agent/executor/prepare.py",
+    "node_agent/executor/packages.py",
+    "node_agent/executor/package_cache.py",
+    "node_agent/executor/package_pull.py",
 )
 """Where the replica writes the reasons it stores on instances and rollouts (and their history
 events): each is a message (`reason_message` beside the English `reason`), which kunlun-cli shows
@@ -170,6 +173,10 @@ REASON_ARGS = {
     "request_stop": 0,
     "Ended": 0,
     "PrepareError": 0,
+    "PackageRefused": 0,
+    "CacheFull": 0,
+    "PullFailed": 0,
+    "PullRefused": 0,
 }
 SHOWN_ARGS = {"_say": 1, "_show": 2, "progress_printer": 0}
 """kunlun-cli helpers that show one of their arguments to the user (name: argument index)."""

@@ -202,3 +202,27 @@ def test_list_and_alternative_types_read_in_chinese(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LANGUAGE", "zh_CN")
     shown = error_text(e.value)
     assert "字符串列表" in shown and "整数或null" in shown and "a list of" not in shown, shown
+
+
+def test_preparation_and_package_refusals_travel_as_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why an agent could not prepare an instance (a package it cannot use, a device that is not its
+    own) is a message: the English text as before, the Chinese one on the client."""
+    from kunlun_common.messages import of_error
+    from node_agent.executor.package_cache import CacheFull
+    from node_agent.executor.packages import PackageRefused, check_ref
+
+    with pytest.raises(PackageRefused) as refused:
+        check_ref("qwen")
+    assert str(refused.value) == "package: 'qwen' is not NAME@sha256:DIGEST"
+    why = msg(
+        "prepare.package_problem",
+        "package {package}…: {error}",
+        package="qwen",
+        error=of_error(refused.value),
+    )
+    assert str(why) == "package qwen…: package: 'qwen' is not NAME@sha256:DIGEST"
+    full = CacheFull(msg("package.no_replica", "no replica endpoint"))
+    assert str(full) == "no replica endpoint" and of_error(full).id == "package.no_replica"
+    monkeypatch.setenv("LANGUAGE", "zh_CN")
+    assert localize(why) == "模型包 qwen…：package：'qwen' 不是 NAME@sha256:DIGEST 形式"
+    assert localize(of_error(full)) == "没有副本端点"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import structlog
 
-from kunlun_common.messages import Message, msg
+from kunlun_common.messages import Message, msg, of_error
 from kunlun_common.modelpkg import TrustedKeys
 from node_agent.executor import packages
 from node_agent.executor.package_pull import PackagePuller, PullFailed, PullRefused
@@ -44,6 +44,10 @@ MIB = 1 << 20
 
 class CacheFull(Exception):
     """Not enough room now; it frees up when instances stop using packages."""
+
+    def __init__(self, message: str | Message) -> None:
+        super().__init__(str(message))
+        self.localizable: Message | None = message if isinstance(message, Message) else None
 
 
 @dataclass
@@ -85,10 +89,7 @@ class PackageCache:
             have = await asyncio.to_thread(self._have, ref, required)
             if not have:
                 if self.puller is None:
-                    raise packages.PackageRefused(
-                        f"not on this node: put the .kunlunpkg into {self.root / 'incoming'} "
-                        "(kunlun-cli model inspect shows its digest)"
-                    )
+                    raise packages.PackageRefused(packages.not_here(self.root / "incoming"))
                 await self._pull(ref, hexd, progress)
             progress(msg("package.verifying", "verifying package {name}", name=ref.split("@")[0]))
             out = await asyncio.to_thread(packages.unpack_verified, self.root, ref, trusted, required)
@@ -136,7 +137,7 @@ class PackageCache:
         try:
             await self.puller.pull(ref, self.root / "pulling", dest, report, reserve)
         except PullRefused as e:
-            raise packages.PackageRefused(str(e)) from None
+            raise packages.PackageRefused(of_error(e)) from None
 
     # ------------------------------------------------------------------ size limit
 
@@ -168,9 +169,16 @@ class PackageCache:
         if used + need > self.limit_bytes:
             held = sorted(d.name[:12] for _, d, _ in entries if d.exists())
             raise CacheFull(
-                f"package cache full: needs {need / MIB:.1f} MiB, {used / MIB:.1f} of "
-                f"{self.limit_bytes / MIB:.1f} MiB held by packages in use ({', '.join(held) or 'pulls'}); "
-                "waiting for instances to stop using them, or raise the agent's --package-cache-mb"
+                msg(
+                    "package.cache_full",
+                    "package cache full: needs {need:.1f} MiB, {used:.1f} of {limit:.1f} MiB held by packages "
+                    "in use ({held}); waiting for instances to stop using them, or raise the agent's "
+                    "--package-cache-mb",
+                    need=need / MIB,
+                    used=used / MIB,
+                    limit=self.limit_bytes / MIB,
+                    held=", ".join(held) or "pulls",
+                )
             )
 
 

@@ -37,6 +37,7 @@ import structlog
 
 from kunlun_common import tls
 from kunlun_common.api import package_pb2, package_pb2_grpc
+from kunlun_common.messages import Message, msg
 from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("package-pull")
@@ -47,9 +48,17 @@ ROUNDS = 3
 class PullRefused(Exception):
     """The package cannot be pulled: retrying cannot help (the message says what to do)."""
 
+    def __init__(self, message: str | Message) -> None:
+        super().__init__(str(message))
+        self.localizable: Message | None = message if isinstance(message, Message) else None
+
 
 class PullFailed(Exception):
     """No replica could serve the package now; a later retry resumes where this one stopped."""
+
+    def __init__(self, message: str | Message) -> None:
+        super().__init__(str(message))
+        self.localizable: Message | None = message if isinstance(message, Message) else None
 
 
 class _ChunkRefused(Exception):
@@ -131,7 +140,13 @@ class PackagePuller:
                     problems.append(f"{ep}: {e.code().name}: {e.details()}")
                     continue
             return policy.require_signed_packages, [k.public_key_pem.encode() for k in keys.keys]
-        raise PullFailed("cannot read the cluster's package policy and trusted keys: " + "; ".join(problems))
+        raise PullFailed(
+            msg(
+                "package.policy_unreadable",
+                "cannot read the cluster's package policy and trusted keys: {problems}",
+                problems="; ".join(problems),
+            )
+        )
 
     async def pull(
         self, ref: str, work: Path, dest: Path, progress: Progress, reserve: Reserve
@@ -159,7 +174,9 @@ class PackagePuller:
                 continue
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    raise PullRefused(e.details() or "not in the cluster store") from None
+                    raise PullRefused(
+                        e.details() or msg("package.not_in_store", "not in the cluster store")
+                    ) from None
                 problems.append(f"{ep}: {e.code().name}: {e.details()}")
                 log.warning(
                     "package pull interrupted", ref=ref, replica=ep, code=e.code().name, at=state["verified"]
@@ -181,7 +198,7 @@ class PackagePuller:
                     refused=len(state["refused_chunks"]),
                 )
                 return state
-        raise PullFailed("; ".join(problems[-3:]) or "no replica endpoint")
+        raise PullFailed("; ".join(problems[-3:]) or msg("package.no_replica", "no replica endpoint"))
 
     async def _from(
         self,

@@ -22,6 +22,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from kunlun_common.messages import Message, msg, of_error
 from kunlun_common.modelpkg import PackageError, TrustedKeys, read_head, verify_file
 from kunlun_common.modelpkg.manifest import CACHE_DIR, MODEL_DIR
 
@@ -32,6 +33,10 @@ REF_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?@sha256:[0-9a-f]{64}$
 
 class PackageRefused(Exception):
     """The package cannot be used on this node; the message says why and what to do."""
+
+    def __init__(self, message: str | Message) -> None:
+        super().__init__(str(message))
+        self.localizable: Message | None = message if isinstance(message, Message) else None
 
 
 @dataclass(frozen=True)
@@ -54,15 +59,23 @@ def find(root: Path, name: str, digest: str) -> Path:
             continue
         if head.digest == digest and head.manifest.name == name:
             return f
-    raise PackageRefused(
-        f"not on this node: put the .kunlunpkg into {incoming} (kunlun-cli model inspect shows its digest)"
+    raise PackageRefused(not_here(incoming))
+
+
+def not_here(incoming: Path) -> Message:
+    return msg(
+        "package.not_on_node",
+        "not on this node: put the .kunlunpkg into {incoming} (kunlun-cli model inspect shows its digest)",
+        incoming=incoming,
     )
 
 
 def check_ref(ref: str) -> None:
     """PackageRefused unless `ref` is NAME@sha256:HEX."""
     if not REF_RE.match(ref):
-        raise PackageRefused(f"package: {ref[:80]!r} is not NAME@sha256:DIGEST")
+        raise PackageRefused(
+            msg("package.bad_ref", "package: {ref!r} is not NAME@sha256:DIGEST", ref=ref[:80])
+        )
 
 
 def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: bool) -> Unpacked:
@@ -76,10 +89,16 @@ def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: 
     if marker.is_file():
         kid = json.loads(marker.read_text()).get("key_id")
         if require_signed and kid is None:
-            raise PackageRefused("package is unsigned; signed packages are required on this cluster")
+            raise PackageRefused(
+                msg("package.unsigned", "package is unsigned; signed packages are required on this cluster")
+            )
         if require_signed and kid not in trusted.keys:
             raise PackageRefused(
-                f"package signed by key {kid}, which is not trusted now; trust it (`kunlun-cli model trust add`)"
+                msg(
+                    "package.untrusted_key",
+                    "package signed by key {kid}, which is not trusted now; trust it (`kunlun-cli model trust add`)",
+                    kid=kid,
+                )
             )
     else:
         src = find(root, name, digest)
@@ -98,10 +117,20 @@ def unpack_verified(root: Path, ref: str, trusted: TrustedKeys, require_signed: 
             shutil.rmtree(tmp, ignore_errors=True)
             if pulled:
                 src.unlink(missing_ok=True)
-            raise PackageRefused(f"{'pulled package' if pulled else src.name}: {e}") from None
+            what = msg("package.pulled", "pulled package") if pulled else src.name
+            raise PackageRefused(
+                msg("package.unusable", "{what}: {error}", what=what, error=of_error(e))
+            ) from None
         if v.head.digest != digest:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise PackageRefused(f"{src.name} changed while being verified (digest {v.head.digest})")
+            raise PackageRefused(
+                msg(
+                    "package.changed",
+                    "{name} changed while being verified (digest {digest})",
+                    name=src.name,
+                    digest=v.head.digest,
+                )
+            )
         kid = v.key_id
         marker_data = {
             "key_id": kid,
