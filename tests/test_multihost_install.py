@@ -54,8 +54,10 @@ def site(bundle_dir: Path) -> Iterator[Site]:
 
 
 def test_control_plane_hosts_installed_from_the_bundle_answer_the_client(site: Site) -> None:
-    st = cluster_ok(site)
-    assert st is not None
+    # the workers and the gateway were installed and started just before (a load spike on a small
+    # machine): the status is awaited, not read once; a leader and all replicas must show up
+    st = wait_until(lambda: cluster_ok(site), 120, "the replicas, a leader and the etcd members", interval=2)
+    assert isinstance(st, dict)
     reps = st["replicas"]
     assert isinstance(reps, list)
     assert {str(r.get("address")) for r in reps} == {f"{site.addr(h)}:{REPLICA_PORT}" for h in CONTROL}
