@@ -2,16 +2,26 @@
 
 Agents never talk to etcd. The replica holding an agent's stream writes on its behalf (observed
 state): the node record on registration, device status changes, a coarse telemetry snapshot every
-`telemetry_snapshot_s` (or on a large change), and the `alive/<node>` key bound to the node's
-lease, which this replica refreshes while heartbeats arrive. When the agent moves to another
-replica, that replica takes over the same lease if it still lives, else grants a new one.
+`telemetry_snapshot_s` (or on a large change), and the `alive/<node>` key.
+
+Liveness: one lease per replica, not one per node. Every `alive/<node>` key this replica writes is
+bound to its *liveness lease*, which it refreshes once a `refresh_period_s` whatever the number of
+agents (a lease per node cost a keep-alive round trip per node every 2 s: a third of a replica's
+CPU per heartbeat). A node whose heartbeats stop is marked dead by an explicit delete that compares
+the key's lease with ours (so a node that moved to another replica is never touched), `stale_after_s`
+after its last heartbeat; a replica that dies or is cut off from etcd loses its lease and every
+alive key with it. Timing (see `controlplane/fencing.py`): an ack is sent only while the lease was
+confirmed within `heartbeat_ack_requires_etcd_s`, and the lease's TTL is the node lease TTL plus that
+window, so a node's alive key outlives the last ack it got by at least `node_lease_ttl_s` on both
+paths (explicit delete: the node lease after the last heartbeat once the stream ended, 1.5 x it
+while a silent stream stays open).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -20,10 +30,10 @@ import structlog
 from controlplane import keys
 from controlplane.put_batch import PutBatcher
 from controlplane.settings import ReplicaSettings
-from controlplane.store import EtcdStore, PutOp
+from controlplane.store import Compare, DeleteOp, EtcdStore, PutOp
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
-from kunlun_common.errors import KunlunError, PermanentError, TemporaryError
+from kunlun_common.errors import KunlunError, TemporaryError
 from kunlun_common.messages import Message, msg
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
 from kunlun_common.retry import backoff_delay
@@ -42,9 +52,14 @@ class NodeSession:
     node: str
     record: types_pb2.Node
     lease: int
+    """The liveness lease this replica last wrote the node's alive key with (0: no key of ours, or
+    one being deleted as stale: no ack until the next heartbeat writes a new one)."""
     connected_at: float
+    alive_value: bytes = b""
+    """The exact value of that write: a stale key is deleted only if it still holds it."""
     last_heartbeat: float = 0.0
-    lease_ok_at: float = 0.0
+    marking: asyncio.Task[None] | None = None
+    """The write that marks the node alive again under the current lease, while in flight."""
     samples: dict[str, types_pb2.DeviceTelemetry] = field(default_factory=dict)
     snapshot_written: dict[str, types_pb2.DeviceTelemetry] = field(default_factory=dict)
     snapshot_at: float = 0.0
@@ -134,15 +149,26 @@ def validate_registration(reg: agent_pb2.RegisterNode, cert_node: str) -> list[M
     return problems
 
 
+def liveness_lease_ttl_s(settings: ReplicaSettings) -> int:
+    """TTL of the replica's liveness lease: the node lease plus the ack window, so that an alive key
+    outlives the last ack sent under it by at least `node_lease_ttl_s` (an ack needs the lease
+    confirmed within the window)."""
+    return settings.node_lease_ttl_s + math.ceil(settings.heartbeat_ack_requires_etcd_s)
+
+
 def refresh_period_s(settings: ReplicaSettings) -> float:
-    """How often each node's lease is refreshed: a third of the lease, and at most two thirds of the
-    heartbeat ack window. Each node keeps its own phase (refreshes exactly `period` apart, counted
-    from its registration), so the answers arrive `period` apart give or take the keep-alive's
-    latency, and the last third of the window (1 s with the default 3 s) absorbs that latency: acks
-    keep flowing. (Rounds that spread every node over the first half of a shared period refreshed a
-    node up to 1.5 periods apart, which forced the period down to half the window: a third more
-    keep-alives, the largest cost of a replica per heartbeat.)"""
-    return min(settings.node_lease_ttl_s / 3, settings.heartbeat_ack_requires_etcd_s * 2 / 3)
+    """How often the replica's liveness lease is refreshed: a third of the heartbeat ack window (so a
+    refresh that needs a retry on another etcd member still lands inside the window), at most a
+    third of the lease."""
+    return min(liveness_lease_ttl_s(settings) / 3, settings.heartbeat_ack_requires_etcd_s / 3)
+
+
+def stale_after_s(settings: ReplicaSettings, connected: bool) -> float:
+    """A node not heard for this long has its alive key deleted (it turns NotReady), as when each
+    node had its own lease: the node lease after the last heartbeat once its stream ended (the lease
+    was no longer refreshed), 1.5 x the node lease while its stream stays open (a frozen agent: the
+    lease was refreshed while the node was heard within half of it)."""
+    return settings.node_lease_ttl_s * (1.5 if connected else 1.0)
 
 
 class NodeSessions:
@@ -155,8 +181,17 @@ class NodeSessions:
         self._lock = asyncio.Lock()
         self.snapshots = PutBatcher(store)
         """Telemetry snapshots of all nodes, written a batch per transaction."""
-        self._due: list[tuple[float, int, NodeSession]] = []  # next lease refresh of each session
-        self._seq = itertools.count()
+        self.lease = 0
+        """This replica's liveness lease (0: none yet, or lost and not yet granted again)."""
+        self.lease_ok_at = 0.0
+        """When etcd last confirmed the liveness lease (monotonic)."""
+        self._lease_lock = asyncio.Lock()
+        self.departed: dict[str, NodeSession] = {}
+        """Sessions whose stream ended while their alive key (ours) still stands: deleted when stale."""
+        self.keepalives = 0
+        """Keep-alives of the liveness lease sent (benchmarks and tests)."""
+        self._sweep: list[tuple[str, bytes]] = []  # stale alive keys to delete: (node, value we wrote)
+        self._writes = itertools.count(1)
 
     async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> Message | None:
         """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
@@ -167,16 +202,25 @@ class NodeSessions:
             reg.node, reg.disconnect_deadline_s, reg.stop_grace_s, self.settings.node_lease_ttl_s, grace
         )
 
+    async def current_lease(self) -> int:
+        """The liveness lease, granted first if there is none."""
+        if self.lease:
+            return self.lease
+        async with self._lease_lock:
+            if not self.lease:
+                self.lease = await self.store.lease_grant(liveness_lease_ttl_s(self.settings))
+                self.lease_ok_at = time.monotonic()
+                log.info(
+                    "liveness lease granted",
+                    lease=f"{self.lease:x}",
+                    ttl_s=liveness_lease_ttl_s(self.settings),
+                )
+            return self.lease
+
     async def register(self, reg: agent_pb2.RegisterNode, identity: str) -> NodeSession:
-        """Accept a node: write its record and take over (or create) its liveness lease."""
+        """Accept a node: write its record and its alive key (bound to this replica's liveness lease)."""
         node = reg.node
-        lease = 0
-        alive = await self.store.get(keys.alive(node))
-        if alive is not None and alive.lease:
-            if await self.store.lease_time_to_live(alive.lease) > 0:
-                lease = alive.lease
-        if not lease:
-            lease = await self.store.lease_grant(self.settings.node_lease_ttl_s)
+        lease = await self.current_lease()
         record = types_pb2.Node(
             name=node,
             address=reg.address,
@@ -204,7 +248,7 @@ class NodeSessions:
             keys.decode_message(old.value, prev)
             record.cordoned = prev.cordoned
             record.protections.extend(prev.protections)
-        alive_value = keys.encode({"replica": self.settings.name, "lease": lease, "since_ms": now_ms()})
+        alive_value = self._alive_value(lease)
         res = await self.store.txn(
             [],
             [
@@ -216,13 +260,13 @@ class NodeSessions:
             raise TemporaryError(
                 msg("registration.not_applied", "registration of {node} was not applied", node=node)
             )
-        session = NodeSession(node=node, record=record, lease=lease, connected_at=time.monotonic())
-        session.lease_ok_at = session.last_heartbeat = time.monotonic()
+        session = NodeSession(
+            node=node, record=record, lease=lease, connected_at=time.monotonic(), alive_value=alive_value
+        )
+        session.last_heartbeat = time.monotonic()
         async with self._lock:
             self.sessions[node] = session
-        heapq.heappush(
-            self._due, (session.lease_ok_at + refresh_period_s(self.settings), next(self._seq), session)
-        )
+            self.departed.pop(node, None)  # its key is ours again, under this session
         log.info("node registered", node=node, devices=len(reg.devices), lease=f"{lease:x}", by=identity)
         return session
 
@@ -275,7 +319,32 @@ class NodeSessions:
             session.writer = asyncio.create_task(
                 self._write_state(session), name=f"node-state-{session.node}"
             )
-        return t - session.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+        if session.lease != self.lease:
+            # its alive key went with a lost lease, or was deleted as stale: mark it alive again
+            if self.lease and (session.marking is None or session.marking.done()):
+                session.marking = asyncio.create_task(self._mark_alive(session), name=f"alive-{session.node}")
+            return False
+        return t - self.lease_ok_at <= self.settings.heartbeat_ack_requires_etcd_s
+
+    def _alive_value(self, lease: int) -> bytes:
+        """Unique per write (`write`): a delete that compares it never removes a newer write."""
+        return keys.encode(
+            {"replica": self.settings.name, "lease": lease, "since_ms": now_ms(), "write": next(self._writes)}
+        )
+
+    async def _mark_alive(self, session: NodeSession) -> None:
+        """Write the node's alive key under the current lease (the agent is heard on this stream now,
+        so this replica's word is the newest: an unconditional put)."""
+        lease = self.lease
+        value = self._alive_value(lease)
+        try:
+            await self.store.put(keys.alive(session.node), value, lease)
+        except KunlunError as e:
+            log.warning("could not mark the node alive", node=session.node, error=str(e))
+            return
+        if self.sessions.get(session.node) is session:
+            session.lease, session.alive_value = lease, value
+            log.info("node marked alive again", node=session.node, lease=f"{lease:x}")
 
     async def _write_state(self, session: NodeSession) -> None:
         """Write what heartbeats changed (the node record, a telemetry snapshot) until nothing is left."""
@@ -327,12 +396,9 @@ class NodeSessions:
                 log.warning("could not record node protections", node=session.node, error=str(e))
 
     async def _write_snapshot(self, session: NodeSession) -> None:
-        from google.protobuf import json_format
-
-        devices = {
-            name: json_format.MessageToDict(tele, preserving_proto_field_name=True)
-            for name, tele in session.samples.items()
-        }
+        # the set fields as they are (readers parse with ParseDict, which takes numbers for int64):
+        # json_format.MessageToDict took twice as long, on every snapshot of every node
+        devices = {name: {f.name: v for f, v in tele.ListFields()} for name, tele in session.samples.items()}
         await self.snapshots.put(
             keys.telemetry(session.node), keys.encode({"at_ms": now_ms(), "devices": devices})
         )
@@ -344,68 +410,86 @@ class NodeSessions:
         async with self._lock:
             if self.sessions.get(session.node) is session:
                 del self.sessions[session.node]
+                if session.lease:
+                    self.departed[session.node] = session  # its alive key is deleted once stale
+        if session.marking is not None and not session.marking.done():
+            session.marking.cancel()
         if session.writer is not None and not session.writer.done():
             session.writer.cancel()
             await asyncio.wait({session.writer})
         log.info("node disconnected", node=session.node, heartbeats=session.heartbeats)
 
     async def refresh_leases(self) -> None:
-        """Loop: refresh the lease of every node heard from recently, each `refresh_period_s` after
-        its previous refresh (its own phase, set at registration; a heap of due times, so a tick
-        costs only the nodes due).
-
-        A refresh never waits for another: one slow keep-alive must not delay every other node's
-        next refresh (which would withhold their heartbeat acks). A node whose refresh is still in
-        flight when due again is skipped that time; each refresh logs its own failure."""
+        """Loop: refresh this replica's liveness lease every `refresh_period_s` (one keep-alive,
+        whatever the number of agents), grant a new one when it was lost (each node is marked alive
+        again by its next heartbeat), and delete the alive keys of nodes not heard for
+        `stale_after_s` (connected or departed). Never dies: each failure is logged and retried."""
         period = refresh_period_s(self.settings)
-        inflight: dict[str, asyncio.Task[bool]] = {}
-        due = self._due
-        try:
-            while True:
-                now = time.monotonic()
-                wait = min(0.1, due[0][0] - now) if due else 0.1
-                await asyncio.sleep(max(0.01, wait))
-                for node in [n for n, task in inflight.items() if task.done()]:
-                    del inflight[node]
-                t = time.monotonic()
-                while due and due[0][0] <= t:
-                    at, _, s = heapq.heappop(due)
-                    if self.sessions.get(s.node) is not s:
-                        continue  # disconnected (a new session has its own entry)
-                    nxt = at + period
-                    heapq.heappush(due, (nxt if nxt > t else t + period, next(self._seq), s))
-                    if t - s.last_heartbeat < self.settings.node_lease_ttl_s / 2 and s.node not in inflight:
-                        inflight[s.node] = asyncio.create_task(self._refresh(s), name=f"lease-{s.node}")
-        finally:
-            for task in inflight.values():
-                task.cancel()
-            await asyncio.gather(*inflight.values(), return_exceptions=True)
+        while True:
+            t0 = time.monotonic()
+            try:
+                await self._refresh_once(period)
+                await self._delete_stale(time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the loop outlives any one failure
+                log.warning("liveness lease tick failed", error=str(e))
+            await asyncio.sleep(max(0.05, period - (time.monotonic() - t0)))
 
-    async def _refresh(self, s: NodeSession) -> bool:
-        # a failed refresh is retried at once (with jitter), not a whole period later: two missed
-        # periods would withhold the node's heartbeat acks
+    async def _refresh_once(self, period: float) -> None:
+        if not self.lease:
+            await self.current_lease()
+            return
+        lease = self.lease
         ttl = -1
         for attempt in range(3):
             try:
-                ttl = await self.store.lease_keepalive(s.lease)
+                # each try bounded by a period: a retry on another member still lands in the ack window
+                ttl = await self.store.lease_keepalive(lease, timeout_s=max(0.2, period))
                 break
             except TemporaryError as e:
                 if attempt == 2:
-                    log.warning("node lease refresh failed", node=s.node, error=str(e))
-                    return False
-                await asyncio.sleep(backoff_delay(attempt, 0.1, 0.5))
+                    log.warning("liveness lease refresh failed", lease=f"{lease:x}", error=str(e))
+                    return
+                await asyncio.sleep(backoff_delay(attempt, 0.05, 0.2))
+        self.keepalives += 1
         if ttl > 0:
-            s.lease_ok_at = time.monotonic()
-            return True
-        # lease lost (expired while we could not refresh): grant a new one and mark the node alive again
-        try:
-            lease = await self.store.lease_grant(self.settings.node_lease_ttl_s)
-            value = keys.encode({"replica": self.settings.name, "lease": lease, "since_ms": now_ms()})
-            await self.store.put(keys.alive(s.node), value, lease)
-            s.lease = lease
-            s.lease_ok_at = time.monotonic()
-            log.warning("node lease had expired; renewed with a new lease", node=s.node, lease=f"{lease:x}")
-            return True
-        except (TemporaryError, PermanentError) as e:
-            log.warning("could not re-create node lease", node=s.node, error=str(e))
-            return False
+            if self.lease == lease:
+                self.lease_ok_at = time.monotonic()
+            return
+        # lost (expired while this replica could not refresh it): every alive key of ours went with it
+        log.warning("liveness lease had expired; granting a new one", lease=f"{lease:x}")
+        async with self._lease_lock:
+            if self.lease == lease:
+                self.lease = 0
+        await self.current_lease()
+
+    async def _delete_stale(self, now: float) -> None:
+        """Delete the alive key of every node of ours not heard for `stale_after_s`, connected or
+        departed, if it still holds the value we wrote (a node that moved to another replica, or
+        re-registered here meanwhile, has a newer value and keeps it). Acks stop before the delete
+        is sent; a failed delete is retried next tick."""
+        connected, departed = stale_after_s(self.settings, True), stale_after_s(self.settings, False)
+        for s in [
+            *(s for s in self.sessions.values() if s.lease and now - s.last_heartbeat > connected),
+            *(s for s in self.departed.values() if s.lease and now - s.last_heartbeat > departed),
+        ]:
+            if s.lease == self.lease:  # (a key under an older lease went with that lease)
+                self._sweep.append((s.node, s.alive_value))
+                log.info(
+                    "node not heard; deleting its alive key",
+                    node=s.node,
+                    silent_s=round(now - s.last_heartbeat, 1),
+                )
+            s.lease = 0  # no ack under a key being deleted: the next heartbeat writes a new one
+            if self.departed.get(s.node) is s:
+                del self.departed[s.node]
+        pending, self._sweep = self._sweep, []
+        for node, value in pending:
+            try:
+                await self.store.txn(
+                    [Compare(keys.alive(node), "value", "==", value)], [DeleteOp(keys.alive(node))]
+                )
+            except KunlunError as e:
+                log.warning("could not delete a stale alive key; retrying", node=node, error=str(e))
+                self._sweep.append((node, value))

@@ -33,7 +33,8 @@ class ReplicaSettings:
     election: ElectionSettings = field(default_factory=ElectionSettings)
     """Leader election timing."""
     node_lease_ttl_s: int = 5
-    """A node whose agent is not heard for this long turns NotReady (its etcd lease expires). With
+    """A node whose agent is not heard for this long turns NotReady (its alive key is deleted; 1.5 x
+    this while its stream stays open). With
     the scheduler's node_not_ready_grace_seconds it sets how soon a lost node's instances move (README
     "Node loss: the defaults and their arithmetic")."""
     replica_lease_ttl_s: int = 5
@@ -41,11 +42,11 @@ class ReplicaSettings:
     telemetry_snapshot_s: float = 10.0
     """How often a node's coarse telemetry snapshot is written to etcd (samples stay in memory)."""
     heartbeat_ack_requires_etcd_s: float = 3.0
-    """Heartbeats are acked only if the node's lease was refreshed within this many seconds, so an
-    agent talking to a replica cut off from etcd moves to another replica. It counts in the fencing
-    budget (an agent may hear its last ack this long after the lease's last refresh), so keep it
-    well under the lease. Node leases are refreshed every min(node_lease_ttl_s / 3, 2/3 of
-    this) seconds, each on its own phase, so acks keep flowing whatever the lease."""
+    """Heartbeats are acked only if the replica's liveness lease (which binds its nodes' alive keys)
+    was refreshed within this many seconds, so an agent talking to a replica cut off from etcd moves
+    to another replica. The liveness lease lives node_lease_ttl_s plus this, so the alive keys
+    outlive the last ack by the node lease; it is refreshed every third of this, so acks keep
+    flowing (one keep-alive per replica, whatever the number of agents)."""
     etcd_wait_s: float = 60.0
     """At start-up, wait this long for etcd (retrying with backoff, logging each try) before exiting
     non-zero; 0 waits forever."""

@@ -265,7 +265,8 @@ async def test_heartbeat_costs_one_ack_and_no_change() -> None:
             session = NodeSession(
                 node=n, record=types_pb2.Node(name=n, devices=devices(n)), lease=1, connected_at=0
             )
-            session.lease_ok_at = session.snapshot_at = time.monotonic()
+            session.snapshot_at = time.monotonic()
+            r.sessions.lease, r.sessions.lease_ok_at = 1, time.monotonic()  # the replica's liveness lease
             sample = types_pb2.DeviceTelemetry(utilization_pct=1.0)
             session.snapshot_written = {d.name: sample for d in session.record.devices}
             hb = agent_pb2.Heartbeat(

@@ -397,14 +397,15 @@ class EtcdStore:
             )
         return int(resp.ID)
 
-    async def lease_keepalive(self, lease_id: int) -> int:
+    async def lease_keepalive(self, lease_id: int, timeout_s: float | None = None) -> int:
         """TIME-CRITICAL: refresh a lease once; returns its TTL. 0 means the lease is lost.
 
-        One attempt bounded by request_timeout_s; raises TemporaryError when etcd did not answer.
+        One attempt bounded by `timeout_s` (default request_timeout_s); raises TemporaryError when
+        etcd did not answer.
         """
         await self.connect()
         assert self._keeper is not None
-        return await self._keeper.refresh(lease_id)
+        return await self._keeper.refresh(lease_id, timeout_s)
 
     async def lease_revoke(self, lease_id: int) -> None:
         """Revoke a lease (deletes its keys at once). A lease already gone is fine."""

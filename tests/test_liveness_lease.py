@@ -1,0 +1,185 @@
+"""One liveness lease per replica, against real etcd: what it must never do.
+
+Every `alive/<node>` key a replica writes is bound to the replica's own lease (one keep-alive a
+period whatever the number of agents); a node that goes silent is marked dead by an explicit,
+compared delete. These tests try to break that: a node that moved to another replica must keep
+its key, a silent node must lose it and get no ack meanwhile, a lost lease must withhold acks until
+the node is marked alive again, and the keep-alives must not grow with the number of nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from controlplane import keys
+from controlplane.nodes import NodeSession, NodeSessions, liveness_lease_ttl_s, refresh_period_s
+from controlplane.settings import ReplicaSettings
+from controlplane.store import EtcdStore
+from kunlun_common.api import agent_pb2
+
+TTL = 3  # the node lease: the shortest a replica accepts
+
+
+def settings(name: str) -> ReplicaSettings:
+    return ReplicaSettings(
+        name=name,
+        cert_dir="/nonexistent",
+        etcd_endpoints=("https://127.0.0.1:1",),
+        node_lease_ttl_s=TTL,
+        heartbeat_ack_requires_etcd_s=1.5,
+    )
+
+
+async def until(check: object, within: float, what: str) -> None:
+    assert callable(check)
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {within}s waiting for {what}")
+
+
+@pytest.fixture
+async def replicas(store: EtcdStore) -> AsyncIterator[tuple[NodeSessions, NodeSessions]]:
+    await store.delete(keys.ROOT, prefix=True)
+    a, b = NodeSessions(store, settings("r-a")), NodeSessions(store, settings("r-b"))
+    loops = [asyncio.create_task(s.refresh_leases()) for s in (a, b)]
+    try:
+        yield a, b
+    finally:
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        for s in (a, b):
+            for session in list(s.sessions.values()):
+                await s.disconnect(session)
+            if s.lease:
+                await store.lease_revoke(s.lease)
+        await store.delete(keys.ROOT, prefix=True)
+
+
+async def register(s: NodeSessions, node: str) -> NodeSession:
+    return await s.register(agent_pb2.RegisterNode(node=node, address="127.0.0.1"), f"agent:{node}")
+
+
+async def alive_lease(store: EtcdStore, node: str) -> int | None:
+    kv = await store.get(keys.alive(node))
+    return None if kv is None else kv.lease
+
+
+async def test_nodes_share_the_replicas_lease_and_keepalives_do_not_grow_with_nodes(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    a, b = replicas
+    few = [await register(a, f"few-{i}") for i in range(2)]
+    many = [await register(b, f"many-{i}") for i in range(40)]
+    assert {await alive_lease(store, s.node) for s in few} == {a.lease}
+    assert {await alive_lease(store, s.node) for s in many} == {b.lease}
+    assert a.lease != b.lease
+    assert await store.lease_time_to_live(a.lease) > TTL  # node lease + ack window
+    k0 = (a.keepalives, b.keepalives)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 4 * refresh_period_s(a.settings):  # heartbeats at 4 Hz meanwhile
+        for s in few:
+            assert await a.heartbeat(s, agent_pb2.Heartbeat(seq=1)), "ack withheld in steady state"
+        for s in many:
+            assert await b.heartbeat(s, agent_pb2.Heartbeat(seq=1)), "ack withheld in steady state"
+        await asyncio.sleep(0.25)
+    ka, kb = a.keepalives - k0[0], b.keepalives - k0[1]
+    # one keep-alive a period per replica, 2 nodes or 40: no keep-alive per node
+    assert 2 <= ka <= 6 and 2 <= kb <= 6 and abs(ka - kb) <= 2, (ka, kb)
+
+
+async def test_a_node_that_moved_keeps_its_key_when_the_old_replica_sweeps(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    a, b = replicas
+    old = await register(a, "mover")
+    await a.disconnect(old)  # the agent's stream to a ended ...
+    assert "mover" in a.departed
+    new = await register(b, "mover")  # ... and it registered with b
+    assert await alive_lease(store, "mover") == b.lease
+
+    # a's sweep comes once the node is a lease past its last heartbeat there: b's key must stay
+    async def swept() -> bool:
+        return "mover" not in a.departed
+
+    await until(swept, 3 * TTL, "a's sweep of the node")
+    for beat in range(4):
+        assert await b.heartbeat(new, agent_pb2.Heartbeat(seq=beat))
+        assert await alive_lease(store, "mover") == b.lease
+        await asyncio.sleep(0.2)
+
+
+async def test_a_silent_node_loses_its_key_gets_no_ack_then_is_marked_alive_again(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    a, _ = replicas
+    quiet, talker = await register(a, "quiet"), await register(a, "talker")
+    t0 = time.monotonic()
+
+    async def gone() -> bool:
+        assert await a.heartbeat(talker, agent_pb2.Heartbeat(seq=0)), "the heard node lost its ack"
+        return await alive_lease(store, "quiet") is None
+
+    # the stream stays open (a frozen agent): the key goes 1.5 x the node lease after the last beat
+    await until(gone, 4 * TTL, "the silent node's alive key to be deleted")
+    assert time.monotonic() - t0 >= 1.5 * TTL - 0.1
+    assert await alive_lease(store, "talker") == a.lease
+    # the agent wakes up: that heartbeat is not acked (no key), it marks the node alive again
+    assert not await a.heartbeat(quiet, agent_pb2.Heartbeat(seq=1))
+
+    async def acked() -> bool:
+        return await a.heartbeat(quiet, agent_pb2.Heartbeat(seq=2))
+
+    await until(acked, 5, "acks to resume once the node is marked alive again")
+    assert await alive_lease(store, "quiet") == a.lease
+
+
+async def test_a_lost_lease_withholds_acks_until_each_node_is_marked_alive_again(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    a, _ = replicas
+    nodes = [await register(a, f"lost-{i}") for i in range(3)]
+    first = a.lease
+    await store.lease_revoke(first)  # as if the replica was paused past its lease: every key gone
+    assert [await alive_lease(store, s.node) for s in nodes] == [None, None, None]
+
+    # until the replica knows, it may still ack (the lease was confirmed within the window) but
+    # never past the window; once it knows, no ack until the node's key is written again
+    async def renewed() -> bool:
+        return a.lease not in (0, first)
+
+    await until(renewed, 5, "a new liveness lease")
+    for s in nodes:
+        assert not await a.heartbeat(s, agent_pb2.Heartbeat(seq=1)), "acked with no alive key"
+
+    async def all_acked() -> bool:
+        return all([await a.heartbeat(s, agent_pb2.Heartbeat(seq=2)) for s in nodes])
+
+    await until(all_acked, 5, "acks to resume after the nodes were marked alive again")
+    assert {await alive_lease(store, s.node) for s in nodes} == {a.lease}
+    assert await store.lease_time_to_live(a.lease) > 0 and liveness_lease_ttl_s(a.settings) == TTL + 2
+
+
+async def test_a_reregistration_during_the_sweep_keeps_the_new_key(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """The sweep deletes only the value it wrote: a registration landing just before its delete
+    (same replica, same lease) wrote a newer value, which stays."""
+    a, _ = replicas
+    old = await register(a, "again")
+    written = old.alive_value
+    await a.disconnect(old)
+    new = await register(a, "again")  # the agent came back to the same replica
+    assert new.alive_value != written and "again" not in a.departed
+    # the stale entry of the old session, had it been queued: the compared delete must not apply
+    a._sweep.append(("again", written))
+    await a._delete_stale(time.monotonic())
+    assert await alive_lease(store, "again") == a.lease
+    assert await a.heartbeat(new, agent_pb2.Heartbeat(seq=1))
