@@ -192,6 +192,10 @@ class NodeSessions:
         """Keep-alives of the liveness lease sent (benchmarks and tests)."""
         self._sweep: list[tuple[str, bytes]] = []  # stale alive keys to delete: (node, value we wrote)
         self._writes = itertools.count(1)
+        self._registering: set[str] = set()
+        self._orphans: dict[str, int] = {}  # alive keys on our lease with no session: node -> mod revision
+        self.orphans_deleted = 0
+        """Alive keys on this replica's lease that no session of it accounted for, deleted (tests)."""
 
     async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> Message | None:
         """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
@@ -220,6 +224,13 @@ class NodeSessions:
     async def register(self, reg: agent_pb2.RegisterNode, identity: str) -> NodeSession:
         """Accept a node: write its record and its alive key (bound to this replica's liveness lease)."""
         node = reg.node
+        self._registering.add(node)  # the orphan scan leaves its key alone meanwhile
+        try:
+            return await self._register(reg, identity, node)
+        finally:
+            self._registering.discard(node)
+
+    async def _register(self, reg: agent_pb2.RegisterNode, identity: str, node: str) -> NodeSession:
         lease = await self.current_lease()
         record = types_pb2.Node(
             name=node,
@@ -425,11 +436,14 @@ class NodeSessions:
         again by its next heartbeat), and delete the alive keys of nodes not heard for
         `stale_after_s` (connected or departed). Never dies: each failure is logged and retried."""
         period = refresh_period_s(self.settings)
-        while True:
+        scan_every = max(1, round(2 * self.settings.node_lease_ttl_s / period))
+        for tick in itertools.count():
             t0 = time.monotonic()
             try:
                 await self._refresh_once(period)
                 await self._delete_stale(time.monotonic())
+                if tick % scan_every == scan_every - 1:
+                    await self._delete_orphans()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop outlives any one failure
@@ -493,3 +507,38 @@ class NodeSessions:
             except KunlunError as e:
                 log.warning("could not delete a stale alive key; retrying", node=node, error=str(e))
                 self._sweep.append((node, value))
+
+    async def _delete_orphans(self) -> None:
+        """Delete the alive keys bound to our lease that no session of ours accounts for, once seen
+        unchanged by two scans (2 x the node lease apart). A replica of an earlier version that
+        took over our lease for a node (it adopted the lease of the key it found) leaves such a
+        key behind when the node dies: our lease keeps it alive and our sweep, comparing the value
+        we wrote, never deletes it. Compared on the key's mod revision, so a newer write stays."""
+        lease = self.lease
+        if not lease:
+            return
+        kvs, _ = await self.store.get_prefix(keys.ALIVE)
+        seen, self._orphans = self._orphans, {}
+        for kv in kvs:
+            node = kv.key[len(keys.ALIVE) :]
+            if (
+                kv.lease != lease
+                or node in self.sessions
+                or node in self.departed
+                or node in self._registering
+            ):
+                continue
+            if seen.get(node) != kv.mod_revision:
+                self._orphans[node] = kv.mod_revision  # the next scan decides
+                continue
+            try:
+                res = await self.store.txn(
+                    [Compare(kv.key, "mod", "==", kv.mod_revision)], [DeleteOp(kv.key)]
+                )
+            except KunlunError as e:
+                log.warning("could not delete an orphaned alive key", node=node, error=str(e))
+                self._orphans[node] = kv.mod_revision
+                continue
+            if res.succeeded:
+                self.orphans_deleted += 1
+                log.warning("alive key on our lease with no session of ours; deleted", node=node)

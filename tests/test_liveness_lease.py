@@ -183,3 +183,26 @@ async def test_a_reregistration_during_the_sweep_keeps_the_new_key(
     await a._delete_stale(time.monotonic())
     assert await alive_lease(store, "again") == a.lease
     assert await a.heartbeat(new, agent_pb2.Heartbeat(seq=1))
+
+
+async def test_a_key_an_older_replica_left_on_our_lease_is_deleted_after_two_scans(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """Mixed versions during a rolling upgrade: a 0.5.0 replica adopts the lease of the alive key it
+    finds (ours) when the node moves to it, and writes its own value. When the node then dies there,
+    our lease keeps the key alive and our sweep (which compares our value) never deletes it: the
+    orphan scan does, or the node would stay Ready forever."""
+    a, _ = replicas
+    moved = await register(a, "adopted")
+    stays = await register(a, "stays")  # a node of ours, heard: never an orphan
+    await a.disconnect(moved)
+    # what 0.5.0's registration wrote: its own value on the lease it found
+    await store.put(keys.alive("adopted"), keys.encode({"replica": "old", "lease": a.lease}), a.lease)
+
+    async def deleted() -> bool:
+        assert await a.heartbeat(stays, agent_pb2.Heartbeat(seq=1))
+        return await alive_lease(store, "adopted") is None
+
+    await until(deleted, 6 * 2 * TTL, "the orphaned alive key to be deleted")
+    assert a.orphans_deleted == 1
+    assert await alive_lease(store, "stays") == a.lease
