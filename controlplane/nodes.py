@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,6 @@ from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, TemporaryError
 from kunlun_common.messages import Message, msg
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
-from kunlun_common.retry import backoff_delay
 
 log = structlog.get_logger("nodes")
 
@@ -181,6 +181,9 @@ class NodeSessions:
         self._lock = asyncio.Lock()
         self.snapshots = PutBatcher(store)
         """Telemetry snapshots of all nodes, written a batch per transaction."""
+        self.admission = asyncio.Semaphore(32)
+        """Registrations in progress at once (a storm of thousands queues here instead of timing out
+        in etcd; the agent waits for its ack, `--connect-timeout`, and retries with backoff)."""
         self.lease = 0
         """This replica's liveness lease (0: none yet, or lost and not yet granted again)."""
         self.lease_ok_at = 0.0
@@ -212,8 +215,9 @@ class NodeSessions:
             return self.lease
         async with self._lease_lock:
             if not self.lease:
+                asked = time.monotonic()  # the lease lives its TTL from some time after this
                 self.lease = await self.store.lease_grant(liveness_lease_ttl_s(self.settings))
-                self.lease_ok_at = time.monotonic()
+                self.lease_ok_at = asked
                 log.info(
                     "liveness lease granted",
                     lease=f"{self.lease:x}",
@@ -275,6 +279,13 @@ class NodeSessions:
             node=node, record=record, lease=lease, connected_at=time.monotonic(), alive_value=alive_value
         )
         session.last_heartbeat = time.monotonic()
+        # the first snapshot 0-2 s after registration, at a random point: a registration storm does
+        # not turn into a snapshot storm at the same instant
+        session.snapshot_at = (
+            session.last_heartbeat
+            - self.settings.telemetry_snapshot_s
+            + random.uniform(0, min(2.0, self.settings.telemetry_snapshot_s))
+        )
         async with self._lock:
             self.sessions[node] = session
             self.departed.pop(node, None)  # its key is ours again, under this session
@@ -313,7 +324,7 @@ class NodeSessions:
                 dev.status_reason_message = s.status_reason_message  # the agent's message, kept as sent
                 changed = True
             prev = session.snapshot_written.get(s.name)
-            if prev is None or (
+            if prev is not None and (
                 abs(prev.utilization_pct - s.telemetry.utilization_pct) >= _BIG_UTIL_CHANGE
                 or abs(prev.temperature_c - s.telemetry.temperature_c) >= _BIG_TEMP_CHANGE
             ):
@@ -433,43 +444,52 @@ class NodeSessions:
     async def refresh_leases(self) -> None:
         """Loop: refresh this replica's liveness lease every `refresh_period_s` (one keep-alive,
         whatever the number of agents), grant a new one when it was lost (each node is marked alive
-        again by its next heartbeat), and delete the alive keys of nodes not heard for
-        `stale_after_s` (connected or departed). Never dies: each failure is logged and retried."""
+        again by its next heartbeat), delete the alive keys of nodes not heard for `stale_after_s`
+        (connected or departed) and, every 2 x the node lease, orphaned keys on our lease.
+
+        Keep-alives are pipelined: one is sent every period even while earlier ones wait for their
+        answer (a slow answer under load delays no later refresh), and the lease counts as confirmed
+        at the time the answered keep-alive was *sent* (etcd refreshed it after that, so it lives
+        at least its TTL from then). Never dies: each failure is logged and retried."""
         period = refresh_period_s(self.settings)
         scan_every = max(1, round(2 * self.settings.node_lease_ttl_s / period))
-        for tick in itertools.count():
-            t0 = time.monotonic()
-            try:
-                await self._refresh_once(period)
-                await self._delete_stale(time.monotonic())
-                if tick % scan_every == scan_every - 1:
-                    await self._delete_orphans()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the loop outlives any one failure
-                log.warning("liveness lease tick failed", error=str(e))
-            await asyncio.sleep(max(0.05, period - (time.monotonic() - t0)))
+        inflight: set[asyncio.Task[None]] = set()
+        try:
+            for tick in itertools.count():
+                t0 = time.monotonic()
+                try:
+                    if not self.lease:
+                        await self.current_lease()
+                    elif len(inflight) < 3:
+                        task = asyncio.create_task(self._refresh_once(self.lease, t0), name="liveness-lease")
+                        inflight.add(task)
+                        task.add_done_callback(inflight.discard)
+                    await self._delete_stale(time.monotonic())
+                    if tick % scan_every == scan_every - 1:
+                        await self._delete_orphans()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the loop outlives any one failure
+                    log.warning("liveness lease tick failed", error=str(e))
+                await asyncio.sleep(max(0.05, period - (time.monotonic() - t0)))
+        finally:
+            for task in list(inflight):
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
 
-    async def _refresh_once(self, period: float) -> None:
-        if not self.lease:
-            await self.current_lease()
+    async def _refresh_once(self, lease: int, sent_at: float) -> None:
+        try:
+            # an answer later than the ack window confirms nothing the acks could still use
+            ttl = await self.store.lease_keepalive(
+                lease, timeout_s=self.settings.heartbeat_ack_requires_etcd_s
+            )
+        except TemporaryError as e:
+            log.warning("liveness lease refresh failed", lease=f"{lease:x}", error=str(e))
             return
-        lease = self.lease
-        ttl = -1
-        for attempt in range(3):
-            try:
-                # each try bounded by a period: a retry on another member still lands in the ack window
-                ttl = await self.store.lease_keepalive(lease, timeout_s=max(0.2, period))
-                break
-            except TemporaryError as e:
-                if attempt == 2:
-                    log.warning("liveness lease refresh failed", lease=f"{lease:x}", error=str(e))
-                    return
-                await asyncio.sleep(backoff_delay(attempt, 0.05, 0.2))
         self.keepalives += 1
         if ttl > 0:
             if self.lease == lease:
-                self.lease_ok_at = time.monotonic()
+                self.lease_ok_at = max(self.lease_ok_at, sent_at)
             return
         # lost (expired while this replica could not refresh it): every alive key of ours went with it
         log.warning("liveness lease had expired; granting a new one", lease=f"{lease:x}")

@@ -60,10 +60,13 @@ class AgentService(Servicer, agent_pb2_grpc.AgentServiceServicer):
                 context, code, msg_list("registration.refused", "{parts}", problems, bullet="", sep="; ")
             )
         try:
-            if fencing := await self.sessions.fencing_problem(first.register):
+            async with self.sessions.admission:
+                fencing = await self.sessions.fencing_problem(first.register)
+                if not fencing:
+                    session = await self.sessions.register(first.register, str(ident))
+            if fencing:
                 log.warning("registration refused", identity=str(ident), problem=str(fencing))
                 await abort(context, grpc.StatusCode.FAILED_PRECONDITION, fencing)
-            session = await self.sessions.register(first.register, str(ident))
         except KunlunError as e:
             await abort(
                 context,

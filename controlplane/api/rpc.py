@@ -207,6 +207,8 @@ def rpc_stream(
                 if f is not None and not f.done():
                     f.cancel()
                     await asyncio.gather(f, return_exceptions=True)
+                elif f is not None and not f.cancelled():
+                    f.exception()  # retrieved (the handler's end while the client went away): no log noise
             try:
                 if isinstance(items, AsyncGenerator):  # the client went away: the handler's cleanup runs now
                     await items.aclose()
