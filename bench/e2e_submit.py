@@ -9,7 +9,8 @@ received by its node's agent. In the same run it measures the raw fenced-style c
 rate of the same etcd (one transaction at a time) and the etcd revisions written per workload, and
 prints the target `0.5 x CAS rate / transactions per workload` beside the figure, with Nomad's C2M
 (about 1,500 placements/s) and kube-scheduler's basic benchmark (680-810 pods/s) for scale.
-Usage: python -m bench.e2e_submit [--nodes 1000] [--workloads 10000] [--clients 64]
+Usage: python -m bench.e2e_submit [--nodes 1250] [--workloads 10000] [--clients 64]
+(each workload's instance takes one device: 10,000 workloads need 1,250 nodes x 8)
 """
 
 from __future__ import annotations
@@ -198,11 +199,17 @@ def run(nodes: int, workloads: int, clients: int = 64, within_s: float = 300.0) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--nodes", type=int, default=1250)
     ap.add_argument("--workloads", type=int, default=10000)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--within", type=float, default=300.0, help="seconds allowed after the last submit")
     a = ap.parse_args()
+    if a.workloads > a.nodes * 8:
+        # each workload's one instance takes one device: the rest could never be placed
+        ap.error(
+            f"--workloads {a.workloads} needs {a.workloads} devices but --nodes {a.nodes} x 8 has "
+            f"{a.nodes * 8}; use --nodes {-(-a.workloads // 8)} or fewer workloads"
+        )
     run(a.nodes, a.workloads, a.clients, a.within)
 
 
