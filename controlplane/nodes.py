@@ -32,6 +32,7 @@ from controlplane import keys
 from controlplane.put_batch import PutBatcher
 from controlplane.settings import ReplicaSettings
 from controlplane.store import Compare, DeleteOp, EtcdStore, PutOp
+from controlplane.store.keepalive_thread import KeepAliveThread
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, TemporaryError
@@ -196,6 +197,9 @@ class NodeSessions:
         self._sweep: list[tuple[str, bytes]] = []  # stale alive keys to delete: (node, value we wrote)
         self._writes = itertools.count(1)
         self._registering: set[str] = set()
+        self._lost_task: asyncio.Task[None] | None = None
+        self.keeper: KeepAliveThread | None = None
+        """The thread that refreshes the liveness lease (once the loop started it)."""
         self._orphans: dict[str, int] = {}  # alive keys on our lease with no session: node -> mod revision
         self.orphans_deleted = 0
         """Alive keys on this replica's lease that no session of it accounted for, deleted (tests)."""
@@ -447,20 +451,50 @@ class NodeSessions:
         again by its next heartbeat), delete the alive keys of nodes not heard for `stale_after_s`
         (connected or departed) and, every 2 x the node lease, orphaned keys on our lease.
 
-        Keep-alives are pipelined: one is sent every period even while earlier ones wait for their
-        answer (a slow answer under load delays no later refresh), and the lease counts as confirmed
-        at the time the answered keep-alive was *sent* (etcd refreshed it after that, so it lives
-        at least its TTL from then). Never dies: each failure is logged and retried."""
+        The keep-alives are sent by a thread of their own over a blocking channel of their own
+        (`controlplane/store/keepalive_thread.py`), so a busy event loop cannot delay them; this loop
+        beats its watchdog every tick (a loop wedged for the node lease lets the lease expire). If
+        that thread cannot run, the loop sends them itself, pipelined: one every period even while
+        earlier ones wait for their answer. Either way the lease counts as confirmed at the time
+        the answered keep-alive was *sent* (etcd refreshed it after that, so it lives at least its
+        TTL from then). Never dies: each failure is logged and retried."""
         period = refresh_period_s(self.settings)
         scan_every = max(1, round(2 * self.settings.node_lease_ttl_s / period))
         inflight: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+
+        def answered(lease: int, ttl: int, sent: float) -> None:  # in the keep-alive thread
+            if ttl > 0:
+                self.keepalives += 1
+                if self.lease == lease and sent > self.lease_ok_at:
+                    self.lease_ok_at = sent
+            else:
+                loop.call_soon_threadsafe(self._lost_soon, lease)
+
+        keeper: KeepAliveThread | None = None
         try:
             for tick in itertools.count():
                 t0 = time.monotonic()
                 try:
                     if not self.lease:
                         await self.current_lease()
-                    elif len(inflight) < 3:
+                    if keeper is None and self.lease:  # the store is connected: it has its certificate
+                        keeper = KeepAliveThread(
+                            self.store,
+                            lambda: self.lease,
+                            answered,
+                            period,
+                            self.settings.heartbeat_ack_requires_etcd_s,
+                            self.settings.node_lease_ttl_s,
+                        )
+                        keeper.start()
+                        self.keeper = keeper
+                    threaded = keeper is not None and keeper.alive()
+                    if keeper is not None and threaded:
+                        keeper.beat()
+                    # the loop refreshes too when the thread is gone or gets no answer for 2 periods
+                    stale = time.monotonic() - self.lease_ok_at > 2 * period
+                    if self.lease and len(inflight) < 3 and (not threaded or stale):
                         task = asyncio.create_task(self._refresh_once(self.lease, t0), name="liveness-lease")
                         inflight.add(task)
                         task.add_done_callback(inflight.discard)
@@ -476,6 +510,24 @@ class NodeSessions:
             for task in list(inflight):
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
+            if keeper is not None:
+                await asyncio.to_thread(keeper.stop)
+
+    def _lost_soon(self, lease: int) -> None:
+        if self.lease == lease:
+            self._lost_task = asyncio.create_task(self._lost(lease), name="liveness-lease-lost")
+
+    async def _lost(self, lease: int) -> None:
+        """The liveness lease is gone (expired while this replica could not refresh it): every alive
+        key of ours went with it; grant a new one (each node's next heartbeat writes its key)."""
+        log.warning("liveness lease had expired; granting a new one", lease=f"{lease:x}")
+        async with self._lease_lock:
+            if self.lease == lease:
+                self.lease = 0
+        try:
+            await self.current_lease()
+        except KunlunError as e:
+            log.warning("could not grant a new liveness lease; retrying next tick", error=str(e))
 
     async def _refresh_once(self, lease: int, sent_at: float) -> None:
         try:
@@ -491,12 +543,7 @@ class NodeSessions:
             if self.lease == lease:
                 self.lease_ok_at = max(self.lease_ok_at, sent_at)
             return
-        # lost (expired while this replica could not refresh it): every alive key of ours went with it
-        log.warning("liveness lease had expired; granting a new one", lease=f"{lease:x}")
-        async with self._lease_lock:
-            if self.lease == lease:
-                self.lease = 0
-        await self.current_lease()
+        await self._lost(lease)
 
     async def _delete_stale(self, now: float) -> None:
         """Delete the alive key of every node of ours not heard for `stale_after_s`, connected or

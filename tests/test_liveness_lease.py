@@ -206,3 +206,41 @@ async def test_a_key_an_older_replica_left_on_our_lease_is_deleted_after_two_sca
     await until(deleted, 6 * 2 * TTL, "the orphaned alive key to be deleted")
     assert a.orphans_deleted == 1
     assert await alive_lease(store, "stays") == a.lease
+
+
+async def test_a_busy_event_loop_does_not_starve_the_liveness_keepalive(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """The keep-alives run in a thread of their own: a loop blocked longer than the ack window
+    (a storm of callbacks, a slow handler) finds its lease confirmed when it wakes, and acks at
+    once. Keep-alives written by the loop were not sent while it was blocked, so every heartbeat
+    queued meanwhile was refused its ack."""
+    a, _ = replicas
+    s = await register(a, "busy")
+
+    async def threaded() -> bool:
+        return a.keeper is not None and a.keeper.sent > 0
+
+    await until(threaded, 5, "the keep-alive thread's first refresh")
+    window = a.settings.heartbeat_ack_requires_etcd_s
+    time.sleep(window + 1.0)  # noqa: ASYNC251  # the fault: the event loop blocked, nothing else runs
+    assert time.monotonic() - a.lease_ok_at < window, "the lease was not refreshed while the loop was blocked"
+    assert await a.heartbeat(s, agent_pb2.Heartbeat(seq=1))
+
+
+async def test_a_wedged_event_loop_lets_the_lease_expire(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """The watchdog: the thread refreshes only while the loop beat within the node lease, so a
+    wedged loop does not keep the alive keys of nodes it cannot serve alive forever."""
+    a, _ = replicas
+    await register(a, "wedged")
+
+    async def threaded() -> bool:
+        return a.keeper is not None and a.keeper.sent > 0
+
+    await until(threaded, 5, "the keep-alive thread's first refresh")
+    assert a.keeper is not None
+    time.sleep(TTL + 1.5)  # noqa: ASYNC251  # the fault: the loop wedged past the node lease
+    assert a.keeper.skipped_for_loop >= 1
+    assert time.monotonic() - a.lease_ok_at > 1.0  # no refresh was confirmed in the last second

@@ -141,10 +141,9 @@ class EtcdStore:
         # issues (kunlun_common.pki.ETCD_PEER_NAME) — a role check, not a name override
         return hosts.pop() if len(hosts) == 1 else ETCD_PEER_NAME
 
-    def _new_channel(self, target: str) -> grpc.aio.Channel:
-        assert self._creds is not None
+    def channel_options(self) -> list[tuple[str, str | int]]:
         name = self._server_name()
-        options = [
+        return [
             # one channel balances over every member, so the name checked is one they all carry
             ("grpc.ssl_target_name_override", name),
             ("grpc.default_authority", name),
@@ -156,7 +155,24 @@ class EtcdStore:
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ]
-        return grpc.aio.secure_channel(target, self._creds, options=options)
+
+    def sync_lease_stub(self) -> tuple[grpc.Channel, Any]:
+        """A blocking channel of its own and its Lease stub, with the store's current client
+        certificate (for a thread that must not depend on the event loop: `keepalive_thread`)."""
+        assert self._creds is not None, "connect() first"
+        ch = grpc.secure_channel(
+            _target(self.settings.endpoints), self._creds, options=self.channel_options()
+        )
+        return ch, rpc.LeaseStub(ch)
+
+    @property
+    def credentials_in_use(self) -> object:
+        """Changes when `reload_credentials` switched to a new client certificate."""
+        return self._creds
+
+    def _new_channel(self, target: str) -> grpc.aio.Channel:
+        assert self._creds is not None
+        return grpc.aio.secure_channel(target, self._creds, options=self.channel_options())
 
     async def connect(self) -> None:
         """Open the channel (lazy: the first call connects). Raises ConfigError for bad TLS files."""
