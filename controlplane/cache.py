@@ -111,6 +111,8 @@ class GraphCache:
         self.ready = asyncio.Event()
         self.version = 0
         """Bumped on every change of a key the cache keeps (not on ignored keys)."""
+        self.event_revision = 0
+        """The revision of the change being applied (listeners read it: a delete carries no kv)."""
         self.work = WorkCounters()
         self._buckets: dict[str, dict[str, KV]] = {}
         self._topics: dict[str, list[Topic]] = {}
@@ -178,6 +180,7 @@ class GraphCache:
         for k, kv in self.kvs.items():
             self._buckets.setdefault(kind_of(k), {})[k] = kv
         self.version += 1
+        self.event_revision = revision
         self.changed.set()
         self.ready.set()
         for listener in {id(x): x for subs in self._listeners.values() for x in subs}.values():
@@ -204,6 +207,7 @@ class GraphCache:
                 bucket.pop(key, None)
                 kv = None
             self.version += 1
+            self.event_revision = ev.kv.mod_revision
             self.changed.set()
             self.work.lookups += 1
             for listener in self._listeners.get(kind, ()):

@@ -24,20 +24,25 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from controlplane import keys
 from controlplane.put_batch import PutBatcher
 from controlplane.settings import ReplicaSettings
-from controlplane.store import Compare, DeleteOp, EtcdStore, PutOp
+from controlplane.store import KV, Compare, DeleteOp, EtcdStore, PutOp
 from controlplane.store.keepalive_thread import KeepAliveThread
 from kunlun_common.api import agent_pb2, types_pb2
 from kunlun_common.clock import now_ms
 from kunlun_common.errors import KunlunError, TemporaryError
 from kunlun_common.messages import Message, msg
 from kunlun_common.names import DEVICE_TYPES, device_name, valid_node_name
+
+if TYPE_CHECKING:
+    from controlplane.cache import GraphCache
 
 log = structlog.get_logger("nodes")
 
@@ -58,6 +63,10 @@ class NodeSession:
     connected_at: float
     alive_value: bytes = b""
     """The exact value of that write: a stale key is deleted only if it still holds it."""
+    alive_rev: int = 0
+    """The etcd revision of that write: a watch event no newer than it says nothing about it."""
+    foreign_logged: bool = False
+    """Said once that another writer holds the node's alive key (a stale stream)."""
     last_heartbeat: float = 0.0
     marking: asyncio.Task[None] | None = None
     """The write that marks the node alive again under the current lease, while in flight."""
@@ -172,6 +181,20 @@ def stale_after_s(settings: ReplicaSettings, connected: bool) -> float:
     return settings.node_lease_ttl_s * (1.5 if connected else 1.0)
 
 
+class AliveKeys:
+    """Feeds `alive/` changes seen by the replica's cache to its node sessions (`alive_changed`)."""
+
+    def __init__(self, sessions: NodeSessions, cache: GraphCache) -> None:
+        self.sessions, self.cache = sessions, cache
+
+    def apply(self, key: str, kv: KV | None) -> None:
+        self.sessions.alive_changed(key[len(keys.ALIVE) :], kv, self.cache.event_revision)
+
+    def reset(self, kvs: Mapping[str, KV]) -> None:
+        for node in list(self.sessions.sessions):
+            self.sessions.alive_changed(node, kvs.get(keys.alive(node)), self.cache.event_revision)
+
+
 class NodeSessions:
     """Registrations, heartbeats and lease refreshes for the agents connected to this replica."""
 
@@ -203,6 +226,10 @@ class NodeSessions:
         self._orphans: dict[str, int] = {}  # alive keys on our lease with no session: node -> mod revision
         self.orphans_deleted = 0
         """Alive keys on this replica's lease that no session of it accounted for, deleted (tests)."""
+        self.foreign_writes = 0
+        """Times a session of ours found its node's alive key written by another stream (tests)."""
+        self._alive_seen: dict[str, tuple[int, bytes | None]] = {}
+        """The last `alive/` change the cache saw per node: (revision, value or None if deleted)."""
 
     async def fencing_problem(self, reg: agent_pb2.RegisterNode) -> Message | None:
         """Why the agent's self-fencing is too slow for this cluster's node lease and grace, or None."""
@@ -280,7 +307,12 @@ class NodeSessions:
                 msg("registration.not_applied", "registration of {node} was not applied", node=node)
             )
         session = NodeSession(
-            node=node, record=record, lease=lease, connected_at=time.monotonic(), alive_value=alive_value
+            node=node,
+            record=record,
+            lease=lease if self._claimable(node, alive_value, res.revision) else 0,
+            connected_at=time.monotonic(),
+            alive_value=alive_value,
+            alive_rev=res.revision,
         )
         session.last_heartbeat = time.monotonic()
         # the first snapshot 0-2 s after registration, at a random point: a registration storm does
@@ -359,18 +391,65 @@ class NodeSessions:
         )
 
     async def _mark_alive(self, session: NodeSession) -> None:
-        """Write the node's alive key under the current lease (the agent is heard on this stream now,
-        so this replica's word is the newest: an unconditional put)."""
+        """Write the node's alive key under the current lease, only where no other stream took it
+        over: the key is gone (our lease was lost, or we deleted it as stale) or still holds this
+        session's own last write. A key written by anyone else since belongs to a newer stream of
+        the agent (it left this one): a replica resumed after a freeze, working through heartbeats
+        that waited in its socket, must never take it back; this stream then gets no ack."""
         lease = self.lease
-        value = self._alive_value(lease)
+        if self.sessions.get(session.node) is not session:
+            return
+        key, value = keys.alive(session.node), self._alive_value(lease)
         try:
-            await self.store.put(keys.alive(session.node), value, lease)
+            res = await self.store.txn([Compare.absent(key)], [PutOp(key, value, lease)])
+            if not res.succeeded and session.alive_value:
+                res = await self.store.txn(
+                    [Compare(key, "value", "==", session.alive_value)], [PutOp(key, value, lease)]
+                )
         except KunlunError as e:
             log.warning("could not mark the node alive", node=session.node, error=str(e))
             return
-        if self.sessions.get(session.node) is session:
-            session.lease, session.alive_value = lease, value
+        if not res.succeeded:
+            self.foreign_writes += 1
+            if not session.foreign_logged:
+                session.foreign_logged = True
+                log.warning(
+                    "node's alive key was written by another stream since; this one gets no ack",
+                    node=session.node,
+                )
+            return
+        if self.sessions.get(session.node) is session and self._claimable(session.node, value, res.revision):
+            session.lease, session.alive_value, session.alive_rev = lease, value, res.revision
+            session.foreign_logged = False
             log.info("node marked alive again", node=session.node, lease=f"{lease:x}")
+
+    def alive_changed(self, node: str, kv: KV | None, revision: int) -> None:
+        """The cache saw `alive/<node>` written (`kv`) or deleted (None) at `revision`. A connected
+        node whose key someone else wrote or deleted after our last write is no longer vouched for
+        by our key: its acks stop at once, and its next heartbeat marks it alive again only if the
+        key is free (`_mark_alive`). So a late write by another replica (a registration, or a
+        stale stream's write that overtook ours) never leaves this replica acking a node whose key
+        another replica's lease holds, and then deletes."""
+        self._alive_seen[node] = (revision, None if kv is None else kv.value)
+        s = self.sessions.get(node)
+        if s is None or not s.lease or revision <= s.alive_rev or node in self._registering:
+            return
+        if (kv is not None and kv.value == s.alive_value) or (s.marking is not None and not s.marking.done()):
+            return  # ours, or our own write in flight (`_claimable` judges it when it returns)
+        s.lease = 0
+        self.foreign_writes += 1
+        log.warning(
+            "node's alive key changed by another writer; acks withheld until it is ours again",
+            node=node,
+            deleted=kv is None,
+            revision=revision,
+        )
+
+    def _claimable(self, node: str, value: bytes, revision: int) -> bool:
+        """Our write of `value` at `revision` still stands as far as the cache has seen (no newer
+        write or delete by anyone else arrived while we waited for etcd's answer)."""
+        seen = self._alive_seen.get(node)
+        return seen is None or seen[0] <= revision or seen[1] == value
 
     async def _write_state(self, session: NodeSession) -> None:
         """Write what heartbeats changed (the node record, a telemetry snapshot) until nothing is left."""
@@ -568,12 +647,15 @@ class NodeSessions:
         pending, self._sweep = self._sweep, []
         for node, value in pending:
             try:
-                await self.store.txn(
+                res = await self.store.txn(
                     [Compare(keys.alive(node), "value", "==", value)], [DeleteOp(keys.alive(node))]
                 )
             except KunlunError as e:
                 log.warning("could not delete a stale alive key; retrying", node=node, error=str(e))
                 self._sweep.append((node, value))
+                continue
+            if not res.succeeded:
+                log.info("stale alive key already replaced or gone; left as it is", node=node)
 
     async def _delete_orphans(self) -> None:
         """Delete the alive keys bound to our lease that no session of ours accounts for, once seen
@@ -588,10 +670,10 @@ class NodeSessions:
         seen, self._orphans = self._orphans, {}
         for kv in kvs:
             node = kv.key[len(keys.ALIVE) :]
+            holder = self.sessions.get(node) or self.departed.get(node)
             if (
                 kv.lease != lease
-                or node in self.sessions
-                or node in self.departed
+                or (holder is not None and holder.alive_value == kv.value)
                 or node in self._registering
             ):
                 continue

@@ -35,7 +35,7 @@ from controlplane.feeds import Feeds
 from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
 from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
-from controlplane.nodes import NodeSessions
+from controlplane.nodes import AliveKeys, NodeSessions
 from controlplane.profiling_feed import close_profiler
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop
@@ -101,6 +101,7 @@ class Replica:
         )
         self.sessions = NodeSessions(self.store, settings)
         self.feeds = Feeds(self.store)
+        self.feeds.cache.listen([keys.ALIVE], AliveKeys(self.sessions, self.feeds.cache))
         self.lifecycle = NodeLifecycle(self.store)
         self.scheduler = SchedulerLoop(self.store, settings.name)
         self.rollouts = RolloutLoop(self.store, settings.name)

@@ -244,3 +244,66 @@ async def test_a_wedged_event_loop_lets_the_lease_expire(
     time.sleep(TTL + 1.5)  # noqa: ASYNC251  # the fault: the loop wedged past the node lease
     assert a.keeper.skipped_for_loop >= 1
     assert time.monotonic() - a.lease_ok_at > 1.0  # no refresh was confirmed in the last second
+
+
+async def test_a_stale_stream_never_takes_back_a_key_another_replica_wrote(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """The agent left replica a (frozen, SIGSTOP) for b. Once a resumes, its sweep has dropped the
+    node's key as its own (b's value stands), and then a heartbeat that waited in a's socket
+    arrives on the old stream: a must not write the key back under its own lease (b would go on
+    acking a node whose key a's lease holds and a deletes 3 s later), nor ack."""
+    a, b = replicas
+    old = await register(a, "fled")
+    new = await register(b, "fled")  # the agent's new stream, while a's old one still stands
+
+    async def swept() -> bool:
+        assert await b.heartbeat(new, agent_pb2.Heartbeat(seq=1)), "b lost its ack"
+        return old.lease == 0  # a's sweep: silent 1.5 x the lease on the open stream
+
+    await until(swept, 4 * TTL, "a's sweep of the silent stream")
+    assert not await a.heartbeat(old, agent_pb2.Heartbeat(seq=0)), "a stale stream was acked"
+    assert old.marking is not None
+    await asyncio.wait({old.marking})
+    kv = await store.get(keys.alive("fled"))
+    assert kv is not None and kv.lease == b.lease and kv.value == new.alive_value, "a took the key back"
+    assert a.foreign_writes == 1
+    assert not await a.heartbeat(old, agent_pb2.Heartbeat(seq=1))
+    assert await b.heartbeat(new, agent_pb2.Heartbeat(seq=2))
+
+
+async def test_a_late_registration_elsewhere_stops_the_acks_until_the_key_is_ours_again(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """A registration that waited on replica a (paused mid-way) lands after the agent registered
+    with b: the key is now on a's lease. b sees it through its watch and stops acking at once
+    (before the change it acked on, and a deleted the key when its dead stream was swept: the node
+    NotReady while b acked it). Once a's dead session is swept, b's next heartbeat takes the key
+    back and acks again."""
+    from controlplane.cache import GraphCache
+    from controlplane.nodes import AliveKeys
+
+    a, b = replicas
+    cache = GraphCache(store)
+    cache.listen([keys.ALIVE], AliveKeys(b, cache))
+    await cache.start()
+    try:
+        mine = await register(b, "late")
+        assert await b.heartbeat(mine, agent_pb2.Heartbeat(seq=0))
+        late = await register(a, "late")  # the stale registration overtakes b's
+        assert await alive_lease(store, "late") == a.lease
+
+        async def withheld() -> bool:
+            return not await b.heartbeat(mine, agent_pb2.Heartbeat(seq=1))
+
+        await until(withheld, 5, "b to stop acking a node whose key a's lease holds")
+        assert b.foreign_writes >= 1
+        await a.disconnect(late)  # a's stream was dead: its session is swept, its key deleted
+
+        async def ours_again() -> bool:
+            acked = await b.heartbeat(mine, agent_pb2.Heartbeat(seq=2))
+            return acked and await alive_lease(store, "late") == b.lease
+
+        await until(ours_again, 4 * TTL, "b to take the key back and ack again")
+    finally:
+        await cache.stop()
