@@ -307,3 +307,23 @@ async def test_a_late_registration_elsewhere_stops_the_acks_until_the_key_is_our
         await until(ours_again, 4 * TTL, "b to take the key back and ack again")
     finally:
         await cache.stop()
+
+
+async def test_a_key_of_ours_the_session_does_not_know_does_not_keep_a_silent_node_alive(
+    store: EtcdStore, replicas: tuple[NodeSessions, NodeSessions]
+) -> None:
+    """A write of ours that the node's current session never recorded (an older session's write
+    that landed after the new registration, as an unconditional re-mark could) holds the key: the
+    session's compared delete cannot remove it once the node goes silent. The orphan scan must
+    (it skipped every node with a session, so the frozen node stayed Ready for good)."""
+    a, _ = replicas
+    s = await register(a, "frozen")
+    await store.put(keys.alive("frozen"), keys.encode({"replica": "r-a", "write": 0}), a.lease)
+    t0 = time.monotonic()
+
+    async def gone() -> bool:
+        return await alive_lease(store, "frozen") is None
+
+    await until(gone, 6 * 2 * TTL, "the silent node's key to be deleted")
+    assert time.monotonic() - t0 >= 1.5 * TTL - 0.1  # never before a silent session's own sweep
+    assert a.orphans_deleted == 1 and s.lease == 0
