@@ -34,8 +34,9 @@ from controlplane.failpoints import Failpoints, watch_hold
 from controlplane.feeds import Feeds
 from controlplane.fencing import node_problems, registered_nodes, stored_config
 from controlplane.lifecycle import NodeLifecycle
+from controlplane.liveness import AliveKeys
 from controlplane.metrics import LeaderView, ReplicaMetrics, rollout_rows
-from controlplane.nodes import AliveKeys, NodeSessions
+from controlplane.nodes import NodeSessions
 from controlplane.profiling_feed import close_profiler
 from controlplane.rollout import RolloutLoop
 from controlplane.scheduler.leader import SchedulerLoop

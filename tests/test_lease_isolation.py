@@ -46,7 +46,8 @@ async def test_acks_keep_flowing_when_the_lease_is_longer_than_the_ack_window(st
     lease older than the window between refreshes, so about one heartbeat in ten went unacked in
     steady state (bench-check: 218 of 1,973 missed at 200 agents)."""
     from controlplane import keys
-    from controlplane.nodes import NodeSessions, refresh_period_s
+    from controlplane.liveness import refresh_period_s
+    from controlplane.nodes import NodeSessions
     from controlplane.settings import ReplicaSettings
     from kunlun_common.api import agent_pb2
 

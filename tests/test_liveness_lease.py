@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from controlplane import keys
-from controlplane.nodes import NodeSession, NodeSessions, liveness_lease_ttl_s, refresh_period_s
+from controlplane.liveness import liveness_lease_ttl_s, refresh_period_s
+from controlplane.node_session import NodeSession
+from controlplane.nodes import NodeSessions
 from controlplane.settings import ReplicaSettings
 from controlplane.store import EtcdStore
 from kunlun_common.api import agent_pb2
@@ -281,7 +283,7 @@ async def test_a_late_registration_elsewhere_stops_the_acks_until_the_key_is_our
     NotReady while b acked it). Once a's dead session is swept, b's next heartbeat takes the key
     back and acks again."""
     from controlplane.cache import GraphCache
-    from controlplane.nodes import AliveKeys
+    from controlplane.liveness import AliveKeys
 
     a, b = replicas
     cache = GraphCache(store)

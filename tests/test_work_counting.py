@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from controlplane import keys
 from controlplane.api.agent_service import AgentService
 from controlplane.feeds import Feeds
-from controlplane.nodes import NodeSession, NodeSessions
+from controlplane.node_session import NodeSession
+from controlplane.nodes import NodeSessions
 from controlplane.scheduler.snapshot import SCHEDULING, IncrementalState, decode_state, graph_snapshot
 from controlplane.settings import ReplicaSettings
 from controlplane.store import KV, EtcdStore, PutOp, WatchEvent

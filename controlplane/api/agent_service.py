@@ -17,7 +17,8 @@ import structlog
 from controlplane.api.auth import Ctx, abort
 from controlplane.api.rpc import Servicer, rpc_stream
 from controlplane.feeds import Feeds
-from controlplane.nodes import NodeSession, NodeSessions, validate_registration
+from controlplane.node_session import NodeSession
+from controlplane.nodes import NodeSessions, validate_registration
 from controlplane.report_owner import owned_report
 from kunlun_common.api import agent_pb2, agent_pb2_grpc, types_pb2
 from kunlun_common.errors import KunlunError
